@@ -1,0 +1,2 @@
+"""Machinery behind the public ``poptorch`` API. Nothing here is imported by
+user programs directly."""
