@@ -1,0 +1,119 @@
+"""Training-loop overhead: ``poptorch.trainingModel`` with D device
+iterations per call against the plain eager PyTorch loop doing the same
+steps, in the same process. Prints a markdown table of samples/s and the
+ratio (poptorch / eager; > 1 means poptorch is faster).
+
+Run by hand: ``.venv/bin/python benchmarks/loop_overhead.py``.
+"""
+import argparse
+import copy
+import platform
+import statistics
+import time
+
+import torch
+
+import poptorch
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.ReLU(),
+            torch.nn.Linear(128, 128), torch.nn.ReLU(),
+            torch.nn.Linear(128, 10))
+
+    def forward(self, x, y):
+        out = self.net(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+class CNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, padding=1),
+            torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+            torch.nn.Linear(16 * 8 * 8, 10))
+
+    def forward(self, x, y):
+        out = self.net(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def data(kind: str, rows: int):
+    shape = (rows, 64) if kind == "mlp" else (rows, 1, 16, 16)
+    return torch.randn(shape), torch.randint(0, 10, (rows,))
+
+
+def median_seconds(one_pass, repeats: int) -> float:
+    """Median wall time of ``one_pass`` after one warm-up pass."""
+    one_pass()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def eager_seconds(model, x, y, micro_batch: int, repeats: int) -> float:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    xs, ys = x.split(micro_batch), y.split(micro_batch)
+
+    def one_pass():
+        for xb, yb in zip(xs, ys):
+            optimizer.zero_grad()
+            _, loss = model(xb, yb)
+            loss.backward()
+            optimizer.step()
+
+    return median_seconds(one_pass, repeats)
+
+
+def poptorch_seconds(model, x, y, iterations: int, micro_batch: int,
+                     repeats: int) -> float:
+    opts = poptorch.Options().deviceIterations(iterations)
+    training = poptorch.trainingModel(
+        model, opts,
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    rows_per_call = iterations * micro_batch
+    calls = list(zip(x.split(rows_per_call), y.split(rows_per_call)))
+
+    def one_pass():
+        for xb, yb in calls:
+            training(xb, yb)
+
+    return median_seconds(one_pass, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iterations", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows = args.calls * args.iterations * args.micro_batch
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}; D = "
+          f"{args.iterations}, micro-batch {args.micro_batch}, "
+          f"{rows} samples per pass, median of {args.repeats}")
+    print("| model | eager samples/s | poptorch (graph) samples/s | ratio |")
+    print("|---|---|---|---|")
+    for kind, cls in (("mlp", MLP), ("cnn", CNN)):
+        torch.manual_seed(0)
+        model = cls()
+        x, y = data(kind, rows)
+        eager = eager_seconds(copy.deepcopy(model), x, y, args.micro_batch,
+                              args.repeats)
+        ours = poptorch_seconds(model, x, y, args.iterations,
+                                args.micro_batch, args.repeats)
+        print(f"| {kind.upper()} | {rows / eager:,.0f} | {rows / ours:,.0f} "
+              f"| {eager / ours:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Capturing a model once into static graphs of tensor operations.
+
+Everything is traced with ``make_fx`` in fake mode (no real computation, no
+side effects) over ``torch.func.functionalize``, so each graph is a pure
+function of explicit inputs:
+
+* an analysis trace of the forward pass finds the output structure, the
+  buffers and inputs the model writes to, and (for training) the final loss;
+* the inference step maps (parameters, buffers, micro-batch) to (written
+  buffers, outputs);
+* the training step is forward + loss + backward (``torch.func.grad_and_value``
+  over ``torch.func.functional_call``) + gradient reduction + the optimizer's
+  pure-tensor update, mapping (parameters, buffers, optimizer state,
+  hyper-parameters, micro-batch) to their new values and the outputs. With
+  gradient accumulation or replicas a second "accumulate" graph adds one
+  micro-batch's gradients to a running sum.
+
+Writes that ``forward`` makes to its input tensors stay in the graphs as
+``copy_`` into those inputs, so they reach the caller. Nodes carry
+``torch.fx.traceback`` metadata (annotations such as blocks).
+"""
+import contextlib
+import dataclasses
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from ..errors import Error
+from . import losses
+from .weight_sync import host_reads_suspended
+
+_capturing = [0]
+
+
+def isRunningOnIpu() -> bool:
+    """True while the model's Python code runs to be captured for the device,
+    False when it runs on the host."""
+    return _capturing[0] > 0
+
+
+@contextlib.contextmanager
+def capture_scope(module: torch.nn.Module,
+                   training_flags: Dict[str, bool]) -> Iterator[None]:
+    """Mark capture in progress and apply the train/eval flags the module had
+    when it was wrapped (PopTorch wraps a shallow copy of the module).
+
+    Attributes that ``forward`` assigns while it is traced (the spec's
+    ``model.i`` example) are frozen into the graph and restored on the host
+    module afterwards, so no traced value leaks into it."""
+    with host_reads_suspended():
+        modules = dict(module.named_modules())
+    saved = {name: dict(m.__dict__) for name, m in modules.items()}
+    _capturing[0] += 1
+    try:
+        with host_reads_suspended(), fx_traceback.preserve_node_meta():
+            for name, flag in training_flags.items():
+                if name in modules:
+                    modules[name].training = flag
+            yield
+    finally:
+        _capturing[0] -= 1
+        for name, attributes in saved.items():
+            modules[name].__dict__.clear()
+            modules[name].__dict__.update(attributes)
+
+
+def trace(fn: Callable, example_inputs: Sequence[torch.Tensor]
+          ) -> torch.fx.GraphModule:
+    """A pure graph of ``fn`` over flat tensor inputs."""
+    functional = torch.func.functionalize(fn, remove="mutations")
+    graph_module = make_fx(functional, tracing_mode="fake")(*example_inputs)
+    graph_module.graph.eliminate_dead_code()
+    graph_module.recompile()
+    return graph_module
+
+
+@dataclasses.dataclass
+class ModelCall:
+    """How flat tensors become a call of the user's module."""
+    module: torch.nn.Module
+    param_names: List[str]
+    buffer_names: List[str]
+    input_spec: pytree.TreeSpec
+    input_leaves: List[object]
+    tensor_positions: List[int]
+
+    def __call__(self, params: Sequence[torch.Tensor],
+                 buffers: Sequence[torch.Tensor],
+                 inputs: Sequence[torch.Tensor]):
+        leaves = list(self.input_leaves)
+        for position, tensor in zip(self.tensor_positions, inputs):
+            leaves[position] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.input_spec)
+        state = (dict(zip(self.param_names, params)),
+                 dict(zip(self.buffer_names, buffers)))
+        return torch.func.functional_call(self.module, state, tuple(args),
+                                          dict(kwargs))
+
+
+@dataclasses.dataclass
+class ModelAnalysis:
+    """What the analysis trace found out about the model."""
+    output_spec: pytree.TreeSpec
+    output_constants: List[object]      # None where the leaf is a tensor
+    written_buffers: List[int]
+    written_inputs: List[int]
+    final_loss: Optional[int]
+    params_reaching_loss: List[int]
+
+
+def _placeholders(graph: torch.fx.Graph) -> List[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def _written_placeholders(graph: torch.fx.Graph) -> List[int]:
+    """Indices of inputs the graph writes to (``copy_`` into a placeholder)."""
+    index = {node: i for i, node in enumerate(_placeholders(graph))}
+    return sorted({index[n.args[0]] for n in graph.nodes
+                   if n.op == "call_function"
+                   and n.target is torch.ops.aten.copy_.default
+                   and n.args[0] in index})
+
+
+def _descendants(node: torch.fx.Node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _ancestors(node: torch.fx.Node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        for parent in todo.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def _describe_node(node: torch.fx.Node) -> str:
+    """The user's source line that produced ``node`` when it is known."""
+    stack = node.meta.get("stack_trace")
+    if not stack:
+        return node.name
+    frames = [line.strip() for line in stack.strip().splitlines()
+              if line.strip().startswith("File ")]
+    return frames[-1] if frames else node.name
+
+
+def _final_loss(loss_nodes: List[torch.fx.Node]) -> int:
+    """Index of the one recorded loss that feeds no other recorded loss."""
+    if not loss_nodes:
+        raise Error(losses.NO_LOSS_MESSAGE)
+    distinct = set(loss_nodes)
+    finals = list(dict.fromkeys(
+        node for node in loss_nodes if not _descendants(node) & distinct))
+    if len(finals) > 1:
+        where = "; ".join(_describe_node(n) for n in finals)
+        raise Error(losses.SEVERAL_LOSSES_MESSAGE.format(count=len(finals),
+                                                         where=where))
+    return loss_nodes.index(finals[0])
+
+
+def analyse(call: ModelCall, params: List[torch.Tensor],
+            buffers: List[torch.Tensor], inputs: List[torch.Tensor],
+            training: bool, training_flags: Dict[str, bool]) -> ModelAnalysis:
+    """Trace the forward pass once to learn the model's shape of work."""
+    found = {}
+
+    def forward(*flat):
+        p, b, x = split_flat(flat, [len(params), len(buffers)])
+        with losses.LossRecorder() as recorder:
+            output = call(p, b, x)
+        leaves, found["spec"] = pytree.tree_flatten(output)
+        found["constants"] = [None if isinstance(leaf, torch.Tensor) else leaf
+                              for leaf in leaves]
+        found["num_losses"] = len(recorder.losses)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        return tensors + recorder.losses
+
+    with capture_scope(call.module, training_flags):
+        graph = trace_user_code(forward, params + buffers + inputs).graph
+    written = _written_placeholders(graph)
+    num_state = len(params) + len(buffers)
+    analysis = ModelAnalysis(
+        output_spec=found["spec"], output_constants=found["constants"],
+        written_buffers=[i - len(params) for i in written
+                         if len(params) <= i < num_state],
+        written_inputs=[i - num_state for i in written if i >= num_state],
+        final_loss=None, params_reaching_loss=[])
+    if training:
+        outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
+        loss_nodes = outputs[len(outputs) - found["num_losses"]:]
+        analysis.final_loss = _final_loss(loss_nodes)
+        reaching = _ancestors(loss_nodes[analysis.final_loss])
+        analysis.params_reaching_loss = [
+            i for i, node in enumerate(_placeholders(graph)[:len(params)])
+            if node in reaching]
+    return analysis
+
+
+def trace_user_code(fn: Callable, example_inputs) -> torch.fx.GraphModule:
+    """``trace`` with failures in the user's code reported as poptorch.Error."""
+    try:
+        return trace(fn, example_inputs)
+    except Error:
+        raise
+    except Exception as error:
+        raise Error(f"The model could not be captured into a static graph: "
+                    f"{type(error).__name__}: {error}") from error
+
+
+def split_flat(flat: Sequence, sizes: Sequence[int]) -> List[list]:
+    """Cut ``flat`` into consecutive parts of ``sizes``; the rest is last."""
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(list(flat[start:start + size]))
+        start += size
+    parts.append(list(flat[start:]))
+    return parts
+
+
+def tensor_outputs(output) -> List[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(output)
+            if isinstance(leaf, torch.Tensor)]
+
+
+def clone_written(buffers: List[torch.Tensor],
+                   written: List[int]) -> List[torch.Tensor]:
+    """Fresh copies of the buffers the model writes, so the graph returns new
+    values instead of writing into its inputs."""
+    buffers = list(buffers)
+    for index in written:
+        buffers[index] = buffers[index].clone()
+    return buffers
+
+
+def trace_inference_step(call: ModelCall, analysis: ModelAnalysis,
+                         params, buffers, inputs,
+                         training_flags: Dict[str, bool]
+                         ) -> torch.fx.GraphModule:
+    """(params, buffers, inputs) -> (written buffers, outputs)."""
+
+    def step(*flat):
+        p, b, x = split_flat(flat, [len(params), len(buffers)])
+        b = clone_written(b, analysis.written_buffers)
+        output = call(p, b, x)
+        return ([b[i] for i in analysis.written_buffers] +
+                tensor_outputs(output))
+
+    with capture_scope(call.module, training_flags):
+        return trace_user_code(step, list(params) + list(buffers) +
+                                list(inputs))

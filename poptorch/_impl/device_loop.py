@@ -1,0 +1,99 @@
+"""The device loop: one call of a wrapped model runs all its D x G x R
+micro-batch steps here without returning to the user (semantics.md, "One call
+of a wrapped model").
+
+Replicas run one after another on the one device; each replica reads its own
+slice of the data. Training sums the gradients of the G x R micro-batches of a
+step in a running sum that starts at zero and applies one optimizer update on
+the last micro-batch; buffers change on every micro-batch.
+"""
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+from .backends.backend import CompiledStep
+from .batching import BatchLayout, micro_batch
+from .outputs import OutputCollector
+
+
+@dataclasses.dataclass
+class InferenceSteps:
+    step: CompiledStep
+    written_buffers: List[int]
+
+
+@dataclasses.dataclass
+class TrainingSteps:
+    update: CompiledStep                # the last micro-batch of a step
+    accumulate: Optional[CompiledStep]  # the others (None when G x R == 1)
+    written_buffers: List[int]
+    zeros: List[torch.Tensor]           # the running sum's start value
+
+
+def _store_buffers(buffers: List[torch.Tensor], written: List[int],
+                   values) -> None:
+    for index, value in zip(written, values):
+        buffers[index] = value
+
+
+def run_inference(steps: InferenceSteps, params: List[torch.Tensor],
+                  buffer_sets: List[List[torch.Tensor]],
+                  inputs: List[torch.Tensor], layout: BatchLayout,
+                  collector: OutputCollector) -> None:
+    written = len(steps.written_buffers)
+    for iteration in range(layout.device_iterations):
+        for replica in range(layout.replicas):
+            buffers = buffer_sets[replica % len(buffer_sets)]
+            micro = micro_batch(inputs, iteration, 0,
+                                layout.data_index(replica))
+            result = steps.step(*params, *buffers, *micro)
+            _store_buffers(buffers, steps.written_buffers, result[:written])
+            collector.add(iteration, replica, result[written:])
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """What a training call reads and replaces, as flat lists."""
+    trainable: List[torch.Tensor]
+    frozen: List[torch.Tensor]
+    buffer_sets: List[List[torch.Tensor]]
+    optimizer: List[torch.Tensor]
+    hyper: List[torch.Tensor]
+
+
+def run_training(steps: TrainingSteps, state: TrainingState,
+                 inputs: List[torch.Tensor], layout: BatchLayout,
+                 collector: OutputCollector) -> None:
+    accumulation = layout.gradient_accumulation
+    replicas = layout.replicas
+    written = len(steps.written_buffers)
+    trained = len(state.trainable)
+    for iteration in range(layout.device_iterations):
+        running = steps.zeros
+        for step in range(accumulation):
+            for replica in range(replicas):
+                buffers = state.buffer_sets[replica % len(state.buffer_sets)]
+                micro = micro_batch(inputs, iteration, step,
+                                    layout.data_index(replica))
+                head = state.trainable + state.frozen + buffers
+                last = step == accumulation - 1 and replica == replicas - 1
+                if not last:
+                    result = steps.accumulate(*head, *state.optimizer,
+                                              *state.hyper, *running, *micro)
+                    _store_buffers(buffers, steps.written_buffers,
+                                   result[:written])
+                    running = result[written:written + trained]
+                    outputs = result[written + trained:]
+                else:
+                    extra = running if steps.accumulate is not None else []
+                    result = steps.update(*head, *state.optimizer,
+                                          *state.hyper, *extra, *micro)
+                    state.trainable = list(result[:trained])
+                    _store_buffers(buffers, steps.written_buffers,
+                                   result[trained:trained + written])
+                    end = trained + written + len(state.optimizer)
+                    state.optimizer = list(result[trained + written:end])
+                    outputs = result[end:]
+                collector.add(iteration * accumulation + step, replica,
+                              outputs)

@@ -1,0 +1,513 @@
+"""``PoplarExecutor``: the wrapper returned by ``trainingModel`` and
+``inferenceModel`` (API reference 11.4).
+
+A call flows one way: the arguments are checked against the compiled
+signature, moved to the device and cut into micro-batches, the device loop
+runs the captured step(s) for the whole call, and the outputs are shaped per
+``OutputMode``. The first call (or ``compile()``) captures the model.
+"""
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .._version import __version__
+from ..enums import ConnectionType
+from ..errors import Error
+from . import capture, device_loop, weight_sync
+from .backends import get_backend
+from .batching import BatchLayout
+from .capture import ModelCall
+from .device_state import DeviceState
+from .devices import select_device
+from .logger import info_once, logger
+from .optimizers.plan import OptimizerPlan, plan_optimizer
+from .outputs import (OutputCollector, as_training_outputs,
+                      check_return_period, resolve_output_mode)
+from .rng import ModelRng
+from .signature import CallArguments, InputSignature
+from .training_step import StepSettings, TrainingLayout, trace_training_step
+
+_NOT_YET = ("{name} is not available yet in this implementation of PopTorch "
+            "(precompilation, executable export and tensor names come with "
+            "the compiled-execution work).")
+
+
+class PoplarExecutor:
+    """Wrapper around a ``torch.nn.Module`` compiled for the device.
+
+    Do not create it directly: use ``poptorch.trainingModel`` or
+    ``poptorch.inferenceModel``. Attribute access and ``repr`` go to the
+    wrapped module.
+    """
+
+    def __init__(self, model: torch.nn.Module, options, training: bool,
+                 poptorch_version: str,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 user_model: Optional[torch.nn.Module] = None) -> None:
+        module = user_model if user_model is not None else model
+        if not isinstance(module, torch.nn.Module):
+            raise Error(f"The model must be a torch.nn.Module, got "
+                        f"{type(module).__name__}")
+        _check_mode_options(options, training)
+        options._freeze()
+        self._options = options.clone()
+        self._options._freeze()
+        self._module = module
+        self._training = training
+        self._poptorch_version = poptorch_version
+        self._training_flags = {name: m.training
+                                for name, m in module.named_modules()}
+        self._optimizer = optimizer
+        self._plan: Optional[OptimizerPlan] = (
+            plan_optimizer(optimizer, _host_params(module))
+            if training else None)
+        self._sync = weight_sync.attach(module)
+        self._sync.register(self, training, type(module).__name__)
+        self._registered = True
+        self._reset_compiled_state()
+        self._destroyed = False
+
+    def _reset_compiled_state(self) -> None:
+        self._compiled = False
+        self._attached = False
+        self._signature: Optional[InputSignature] = None
+        self._state: Optional[DeviceState] = None
+        self._loaded_version = -1
+        self._rng: Optional[ModelRng] = None
+
+    # --- attribute delegation -------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+    def __repr__(self) -> str:
+        return repr(self._module)
+
+    def __reduce__(self):
+        """Pickle as the module, the options and the optimizer: the loaded
+        executor compiles again on its first call."""
+        self.copyWeightsToHostIfNeeded()
+        return (_rebuild_executor, (self._module, self._options.clone(),
+                                    self._training, self._optimizer))
+
+    # --- properties -------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The wrapped torch module."""
+        return self._module
+
+    @property
+    def options(self):
+        """The (frozen) options this model was created with."""
+        return self._options
+
+    @property
+    def rng_state(self) -> List[int]:
+        """Seed and state of the model's random number generator."""
+        self._require_compiled("rng_state")
+        return self._rng.as_list()
+
+    @rng_state.setter
+    def rng_state(self, value: List[int]) -> None:
+        self._require_compiled("rng_state")
+        self._rng.load_list(value)
+
+    # --- compilation ------------------------------------------------------
+    def isCompiled(self) -> bool:
+        """True once the model is compiled and until it is destroyed."""
+        return self._compiled
+
+    def compile(self, *args, **kwargs) -> None:
+        """Capture and compile the model for these arguments, if not done
+        yet, without running it."""
+        if not self._compiled:
+            self._compile(CallArguments(self._module.forward, args, kwargs))
+
+    def _compile(self, call: CallArguments) -> None:
+        start = time.perf_counter()
+        layout = self._batch_layout()
+        for position in call.tensor_positions():
+            layout.check(call.paths[position], call.leaves[position])
+        mode = resolve_output_mode(self._options.output_mode, self._training)
+        check_return_period(mode, self._options.output_return_period,
+                            layout.device_iterations *
+                            layout.gradient_accumulation)
+        if self._destroyed:
+            self._sync = weight_sync.attach(self._module)
+            self._sync.register(self, self._training,
+                                type(self._module).__name__)
+            self._registered = True
+        device = select_device(self._options.use_ipu_model)
+        with weight_sync.host_reads_suspended():
+            state = DeviceState(self._module, device, self._buffer_sets())
+        model_call = ModelCall(self._module, state.param_names,
+                               state.buffer_names, call.spec,
+                               list(call.leaves), call.tensor_positions())
+        inputs = [layout.split(t.to(device)) for t in _tensors(call)]
+        micro = [(t if t.dim() == 0 else t[0, 0, 0]).clone() for t in inputs]
+        analysis = capture.analyse(model_call, state.params, state.buffers[0],
+                                   micro, self._training,
+                                   self._training_flags)
+        if self._training:
+            self._compile_training(model_call, analysis, state, micro, layout)
+        else:
+            self._compile_inference(model_call, analysis, state, micro)
+        self._analysis = analysis
+        self._output_mode = mode
+        self._layout = layout
+        self._state = state
+        self._signature = InputSignature(call)
+        self._rng = ModelRng(device, self._options.random_seed)
+        self._loaded_version = self._sync.version
+        self._compiled = True
+        self._destroyed = False
+        if self._options.connection_type == ConnectionType.Always:
+            self._attached = True
+        logger.debug("Compiled %s model in %.2f s on %s",
+                     "training" if self._training else "inference",
+                     time.perf_counter() - start, device)
+
+    def _compile_inference(self, model_call, analysis, state, micro) -> None:
+        graph = capture.trace_inference_step(
+            model_call, analysis, state.params, state.buffers[0], micro,
+            self._training_flags)
+        backend = get_backend("graph")
+        example = state.params + state.buffers[0] + micro
+        self._steps = device_loop.InferenceSteps(
+            backend.compile(graph, example), analysis.written_buffers)
+        self._graphs = {"inference": graph}
+
+    def _compile_training(self, model_call, analysis, state, micro,
+                          layout: BatchLayout) -> None:
+        if analysis.written_buffers and self._buffer_sets() == 1 \
+                and layout.replicas > 1:
+            raise Error(
+                "The model writes to its buffers during training "
+                f"({', '.join(state.buffer_names[i] for i in analysis.written_buffers)}) "
+                f"and replicationFactor is {layout.replicas}: buffers cannot "
+                "be broadcast between replicas. Set "
+                "options.broadcastBuffers(False) so that each replica keeps "
+                "its own buffers.")
+        training = TrainingLayout.build(self._plan, analysis.params_reaching_loss,
+                                        len(state.params))
+        host_params = _host_params(self._module)
+        trainable = [state.params[i] for i in training.trainable]
+        torch_states = [self._optimizer.state.get(host_params[i], {})
+                        for i in training.trainable]
+        state.optimizer = training.initial_state(trainable, torch_states)
+        self._hyper = training.hyper_values(self._plan, state.device)
+        settings = StepSettings(
+            micro_batches_per_step=layout.gradient_accumulation *
+            layout.replicas,
+            reduction=self._options.Training
+            .accumulation_and_replication_reduction_type,
+            loss_scaling=float(self._plan.loss_scaling),
+            max_grad_norm=self._plan.max_grad_norm)
+        example = {"trainable": trainable,
+                   "frozen": [state.params[i] for i in training.frozen],
+                   "buffers": state.buffers[0], "state": state.optimizer,
+                   "hyper": self._hyper, "inputs": micro}
+        accumulate = settings.micro_batches_per_step > 1
+        backend = get_backend("graph")
+        graphs = {"update": trace_training_step(
+            model_call, analysis, training, settings, example,
+            self._training_flags, update=True, accumulated=accumulate)}
+        if accumulate:
+            graphs["accumulate"] = trace_training_step(
+                model_call, analysis, training, settings, example,
+                self._training_flags, update=False, accumulated=True)
+        flat = (trainable + example["frozen"] + example["buffers"] +
+                state.optimizer + self._hyper)
+        compiled = {name: backend.compile(graph, flat) for name, graph
+                    in graphs.items()}
+        self._steps = device_loop.TrainingSteps(
+            update=compiled["update"], accumulate=compiled.get("accumulate"),
+            written_buffers=analysis.written_buffers,
+            zeros=[torch.zeros_like(p) for p in trainable] if accumulate
+            else [])
+        self._training_layout = training
+        self._graphs = graphs
+
+    def _batch_layout(self) -> BatchLayout:
+        options = self._options
+        return BatchLayout(
+            device_iterations=options.device_iterations,
+            gradient_accumulation=(options.Training.gradient_accumulation
+                                   if self._training else 1),
+            replicas=options.replication_factor,
+            input_group_size=options.input_group_size,
+            input_group_type=options.input_group_type)
+
+    def _buffer_sets(self) -> int:
+        if self._options.broadcast_buffers:
+            return 1
+        return self._options.replication_factor
+
+    # --- running ------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Run the model on one call's worth of data (D x G x R
+        micro-batches); the first call captures and compiles it."""
+        call = CallArguments(self._module.forward, args, kwargs)
+        if not self._compiled:
+            self._compile(call)
+        else:
+            self._signature.check(call)
+        self._connect_for_run()
+        if not self._training and self._loaded_version != self._sync.version:
+            self._sync.bring_host_up_to_date()
+            self.copyWeightsToDevice()
+        return self._run(call)
+
+    def _connect_for_run(self) -> None:
+        if self._options.connection_type == ConnectionType.Never:
+            raise Error(
+                "This model was compiled with "
+                "connectionType(ConnectionType.Never): it can be compiled "
+                "and exported but not run. Create the model with other "
+                "options to run it.")
+        if not self._attached:
+            self.attachToDevice()
+
+    def _run(self, call: CallArguments):
+        state = self._state
+        layout = self._layout
+        host_inputs = _tensors(call)
+        device_inputs = [t.to(state.device, non_blocking=True)
+                         for t in host_inputs]
+        split = [layout.split(t) for t in device_inputs]
+        collector = OutputCollector(
+            self._output_mode, self._options.output_return_period,
+            layout.device_iterations * layout.gradient_accumulation,
+            layout.replicas)
+        with self._rng.active(), torch.no_grad():
+            if self._training:
+                self._run_training(split, collector)
+            else:
+                device_loop.run_inference(self._steps, state.params,
+                                          state.buffers, split, layout,
+                                          collector)
+            for index in self._analysis.written_inputs:
+                if device_inputs[index] is not host_inputs[index]:
+                    host_inputs[index].copy_(device_inputs[index])
+        return self._shape_outputs(collector.result())
+
+    def _run_training(self, split, collector) -> None:
+        state = self._state
+        training = self._training_layout
+        loop_state = device_loop.TrainingState(
+            trainable=[state.params[i] for i in training.trainable],
+            frozen=[state.params[i] for i in training.frozen],
+            buffer_sets=state.buffers, optimizer=state.optimizer,
+            hyper=self._hyper)
+        device_loop.run_training(self._steps, loop_state, split,
+                                 self._layout, collector)
+        for index, tensor in zip(training.trainable, loop_state.trainable):
+            state.params[index] = tensor
+        state.optimizer = loop_state.optimizer
+        self._sync.trained_on_device()
+        self._loaded_version = self._sync.version
+
+    def _shape_outputs(self, tensors: List[torch.Tensor]):
+        host = [t.to("cpu") if t.device.type != "cpu" else t
+                for t in tensors]
+        if self._training:
+            host = as_training_outputs(host)
+        else:
+            host = [t.clone() if _aliases_state(t, self._state) else t
+                    for t in host]
+        values = iter(host)
+        leaves = [next(values) if constant is None else constant
+                  for constant in self._analysis.output_constants]
+        return pytree.tree_unflatten(leaves, self._analysis.output_spec)
+
+    # --- weights --------------------------------------------------------------
+    def copyWeightsToHost(self) -> None:
+        """Copy the device's weights (and the first replica's buffers) into
+        the wrapped module's parameters and buffers."""
+        self._require_compiled("copyWeightsToHost")
+        with weight_sync.host_reads_suspended():
+            self._state.store_to_host(self._module)
+        if self._sync.trainer is self:
+            self._sync.device_newer = False
+
+    def copyWeightsToDevice(self) -> None:
+        """Copy the wrapped module's parameters and buffers to the device
+        (done implicitly on the first call)."""
+        if self._destroyed:
+            self._raise_destroyed("copyWeightsToDevice")
+        if not self._compiled:
+            return
+        with weight_sync.host_reads_suspended():
+            self._state.load_from_host(self._module)
+        if self._training:
+            self._sync.device_newer = False
+            self._sync.version += 1
+        self._loaded_version = self._sync.version
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        """Copy trained weights to the host if they changed on the device;
+        True if a copy was made."""
+        if self._destroyed:
+            self._raise_destroyed("copyWeightsToHostIfNeeded")
+        if self._sync.trainer is not self:
+            return False
+        return self._sync.bring_host_up_to_date()
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
+        """Load ``state_dict`` into the wrapped module and send the weights
+        to the device."""
+        self.copyWeightsToHostIfNeeded()
+        result = self._module.load_state_dict(state_dict, strict)
+        self.copyWeightsToDevice()
+        return result
+
+    # --- optimizer ------------------------------------------------------------
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use ``optimizer``'s current hyper-parameters from the next call.
+
+        Hyper-parameter values (for example a learning rate changed by a
+        scheduler) take effect without recompiling; a change that alters the
+        compiled graph raises ``poptorch.Error`` naming the attribute.
+        """
+        if not self._training:
+            raise Error("setOptimizer can only be called on a training model")
+        plan = plan_optimizer(optimizer, _host_params(self._module))
+        if self._compiled:
+            _check_same_structure(self._plan, plan)
+            self._hyper = self._training_layout.hyper_values(
+                plan, self._state.device)
+        self._optimizer = optimizer
+        self._plan = plan
+
+    # --- device ------------------------------------------------------------
+    def attachToDevice(self) -> None:
+        """Attach to the device: the model's state moves onto it."""
+        self._require_compiled("attachToDevice")
+        if self._attached:
+            raise Error("attachToDevice: the model is already attached")
+        device = select_device(self._options.use_ipu_model)
+        if self._state.device != device:
+            self._state.move(device)
+            self._rebuild_device_constants()
+        self._attached = True
+
+    def detachFromDevice(self) -> None:
+        """Detach from the device: trained weights go back to the host and
+        the model's state leaves device memory (on a CPU device it stays
+        where it is). The next call attaches again."""
+        self._require_compiled("detachFromDevice")
+        if not self._attached:
+            raise Error("detachFromDevice: the model is not attached")
+        self.copyWeightsToHostIfNeeded()
+        if self._state.device.type != "cpu":
+            self._state.move(torch.device("cpu"))
+            self._rebuild_device_constants()
+        self._attached = False
+
+    def _rebuild_device_constants(self) -> None:
+        if self._training:
+            device = self._state.device
+            self._hyper = [h.to(device) for h in self._hyper]
+            self._steps.zeros = [z.to(device) for z in self._steps.zeros]
+
+    def isAttachedToDevice(self) -> bool:
+        """True while the model is attached to its device."""
+        return self._attached
+
+    def destroy(self) -> None:
+        """Release the device state and the compiled graphs. Trained weights
+        are copied to the host first; calling the model compiles it again."""
+        if self._compiled:
+            self.copyWeightsToHostIfNeeded()
+        if self._registered:
+            self._sync.unregister(self)
+            weight_sync.detach(self._module)
+            self._registered = False
+        self._reset_compiled_state()
+        self._destroyed = True
+
+    # --- features of later work ------------------------------------------------
+    def cycleCount(self) -> int:
+        """IPU cycle counts do not exist on CPU and GPU devices."""
+        raise Error("cycleCount: there is no cycle counter on this device "
+                    "(CPU/GPU); use getLatency() style timings or "
+                    "torch.profiler instead")
+
+    def compileAndExport(self, filename: str, *args, export_model: bool = True,
+                         **kwargs) -> None:
+        raise Error(_NOT_YET.format(name="compileAndExport"))
+
+    def save(self, filename: str, export_model: bool = True,
+             save_rng_state: bool = True) -> None:
+        raise Error(_NOT_YET.format(name="save"))
+
+    def loadExecutable(self, filename: str) -> None:
+        raise Error(_NOT_YET.format(name="loadExecutable"))
+
+    def getTensorNames(self) -> List[str]:
+        raise Error(_NOT_YET.format(name="getTensorNames"))
+
+    # --- helpers ------------------------------------------------------------
+    def _require_compiled(self, what: str) -> None:
+        if self._destroyed:
+            self._raise_destroyed(what)
+        if not self._compiled:
+            raise Error(f"{what}: the model is not compiled yet; call it or "
+                        "call compile() first")
+
+    @staticmethod
+    def _raise_destroyed(what: str) -> None:
+        raise Error(f"{what}: this model has been destroyed; call it or "
+                    "call compile() to create a new executable first")
+
+
+def _host_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    with weight_sync.host_reads_suspended():
+        return [p for _, p in module.named_parameters()]
+
+
+def _tensors(call: CallArguments) -> List[torch.Tensor]:
+    return [call.leaves[i] for i in call.tensor_positions()]
+
+
+def _aliases_state(tensor: torch.Tensor, state: DeviceState) -> bool:
+    pointer = tensor.untyped_storage().data_ptr()
+    return any(pointer == t.untyped_storage().data_ptr()
+               for t in state.params + state.buffers[0])
+
+
+def _check_mode_options(options, training: bool) -> None:
+    if not training and options.Training.gradient_accumulation != 1:
+        raise Error(
+            "Training.gradientAccumulation is "
+            f"{options.Training.gradient_accumulation} but an inference model "
+            "requires gradientAccumulation(1): gradient accumulation only "
+            "applies to training models")
+    if options.execution_strategy is not None:
+        info_once("Execution strategies run all stages on one device, one "
+                  "after another, with the same numerics; pipelining across "
+                  "devices is not available yet")
+
+
+def _check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
+    if old.structure() == new.structure():
+        return
+    changed = sorted(name for name in set(old.constant_attrs) |
+                     set(new.constant_attrs)
+                     if old.constant_attrs.get(name) !=
+                     new.constant_attrs.get(name))
+    detail = (f"the constant attribute(s) {', '.join(changed)}" if changed
+              else "the optimizer type or its parameter groups")
+    raise Error(f"setOptimizer: {detail} changed after the model was "
+                "compiled. Only variable attributes (such as lr) can change "
+                "after compilation; call destroy() and compile again to "
+                "change the others.")
+
+
+def _rebuild_executor(module, options, training, optimizer):
+    return PoplarExecutor(module, options, training,
+                          poptorch_version=__version__, optimizer=optimizer,
+                          user_model=module)

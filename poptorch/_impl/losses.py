@@ -1,0 +1,91 @@
+"""Loss discovery (semantics.md, "Losses in training").
+
+While a training model is captured, every call of a torch loss function (the
+``torch.nn.functional`` losses, which the ``torch.nn`` loss modules call) and
+every ``poptorch.identity_loss`` is recorded in call order. The final loss is
+the recorded loss that no other recorded loss depends on; the capture finds it
+by graph reachability (see ``capture.py``).
+"""
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..errors import Error
+
+_EXTRA_LOSS_NAMES = ("cross_entropy", "binary_cross_entropy",
+                     "binary_cross_entropy_with_logits", "kl_div")
+
+LOSS_FUNCTIONS = frozenset(
+    getattr(F, name) for name in dir(F)
+    if name.endswith("_loss") or name in _EXTRA_LOSS_NAMES)
+
+IDENTITY_LOSS_REDUCTIONS = ("sum", "mean", "none")
+
+_active_recorders: List["LossRecorder"] = []
+
+
+class LossRecorder(TorchFunctionMode):
+    """Records the results of loss functions called while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: List[torch.Tensor] = []
+
+    def __enter__(self):
+        _active_recorders.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active_recorders.pop()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in LOSS_FUNCTIONS and isinstance(result, torch.Tensor):
+            self.losses.append(result)
+        return result
+
+
+def _active_recorder() -> Optional[LossRecorder]:
+    return _active_recorders[-1] if _active_recorders else None
+
+
+def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Mark ``x`` as the loss the backward pass starts from.
+
+    ``reduction`` is "sum", "mean" or "none", applied as in PyTorch loss
+    functions. Several identity losses may be used in one model provided they
+    all feed a single final loss, itself marked by ``identity_loss``.
+    """
+    if reduction not in IDENTITY_LOSS_REDUCTIONS:
+        raise Error(f"identity_loss: reduction must be one of "
+                    f"{', '.join(repr(r) for r in IDENTITY_LOSS_REDUCTIONS)},"
+                    f" got {reduction!r}")
+    if not isinstance(x, torch.Tensor):
+        raise Error(f"identity_loss: x must be a torch.Tensor, got "
+                    f"{type(x).__name__}")
+    if reduction == "sum":
+        loss = x.sum()
+    elif reduction == "mean":
+        loss = x.mean()
+    else:
+        loss = x
+    recorder = _active_recorder()
+    if recorder is not None:
+        recorder.losses.append(loss)
+    return loss
+
+
+NO_LOSS_MESSAGE = (
+    "The training model computed no loss. A training model must compute its "
+    "loss inside forward(), with a torch loss function or module (for example "
+    "torch.nn.functional.cross_entropy) or by wrapping a custom loss in "
+    "poptorch.identity_loss(loss, reduction='mean'|'sum'|'none').")
+
+SEVERAL_LOSSES_MESSAGE = (
+    "The training model computed {count} unrelated final losses ({where}). The "
+    "backward pass starts from one final loss: combine them into one tensor "
+    "and wrap it in poptorch.identity_loss, for example "
+    "poptorch.identity_loss(loss_a + loss_b, reduction='none').")

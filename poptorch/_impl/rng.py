@@ -1,0 +1,57 @@
+"""The random number generator of a compiled model.
+
+Each model keeps its own generator state for its device: random operations in
+the captured graph (dropout, ``torch.rand``...) draw from it, never from the
+host program's generator, and ``Options.randomSeed(N)`` makes them
+reproducible. Without a seed the state is derived from the host generator
+when the model is compiled, so ``torch.manual_seed`` still makes a program
+reproducible.
+"""
+import contextlib
+from typing import Iterator, List, Optional
+
+import torch
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class ModelRng:
+    """Generator state of one model on one device."""
+
+    def __init__(self, device: torch.device, seed: Optional[int]) -> None:
+        self.device = device
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        self.seed = seed
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.state = generator.get_state()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this model's state current for the duration of a call."""
+        saved = _get_state(self.device)
+        _set_state(self.device, self.state)
+        try:
+            yield
+        finally:
+            self.state = _get_state(self.device)
+            _set_state(self.device, saved)
+
+    def as_list(self) -> List[int]:
+        return [self.seed] + self.state.tolist()
+
+    def load_list(self, values: List[int]) -> None:
+        self.seed = int(values[0])
+        self.state = torch.tensor(values[1:], dtype=torch.uint8)

@@ -1,0 +1,187 @@
+"""The pure training step: forward, loss, backward, gradient reduction and the
+optimizer's update, built for capture by ``capture.trace``.
+
+Flat inputs, in order: trainable parameters (those the optimizer updates and
+the final loss depends on), the other parameters, buffers, optimizer state,
+hyper-parameters (0-d tensors, so new values need no new capture), the
+running gradient sum (accumulating variants only), the micro-batch.
+Outputs: new trainable parameters, written buffers, new optimizer state and the
+model's output tensors — or, for the accumulate variant, written buffers, the
+new gradient sum and the outputs.
+
+Gradients of the G x R micro-batches of one optimizer step are summed, then
+divided by G x R for ``ReductionType.Mean`` (semantics.md).
+"""
+import dataclasses
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..enums import ReductionType
+from . import losses
+from .capture import (ModelAnalysis, ModelCall, capture_scope,
+                      clone_written, split_flat, tensor_outputs,
+                      trace_user_code)
+from .optimizers.plan import OptimizerPlan
+from .optimizers.rule import UpdateRule, clip_grad_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """One optimizer param group inside the flat training inputs."""
+    rule: UpdateRule
+    positions: List[int]        # positions in the trainable list
+    plan_index: int             # index of the group in the optimizer plan
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingLayout:
+    """Which parameters train and where optimizer state sits."""
+    trainable: List[int]        # indices into the model's parameters
+    frozen: List[int]
+    groups: List[GroupLayout]
+
+    @staticmethod
+    def build(plan: OptimizerPlan, params_reaching_loss: Sequence[int],
+              num_params: int) -> "TrainingLayout":
+        reaching = set(params_reaching_loss)
+        trainable = [i for group in plan.groups for i in group.indices
+                     if i in reaching]
+        position = {index: p for p, index in enumerate(trainable)}
+        groups = [GroupLayout(group.rule,
+                              [position[i] for i in group.indices
+                               if i in position], plan_index)
+                  for plan_index, group in enumerate(plan.groups)]
+        return TrainingLayout(
+            trainable=trainable,
+            frozen=[i for i in range(num_params) if i not in position],
+            groups=[g for g in groups if g.positions])
+
+    def state_size(self) -> int:
+        return sum(len(g.rule.state_names) * len(g.positions)
+                   for g in self.groups)
+
+    def hyper_size(self) -> int:
+        return sum(len(g.rule.hyper_names) for g in self.groups)
+
+    def initial_state(self, params: List[torch.Tensor],
+                      torch_states: List[Dict]) -> List[torch.Tensor]:
+        """Flat optimizer state for the trainable ``params`` (device
+        tensors, in trainable order) starting from the torch states."""
+        flat = []
+        for group in self.groups:
+            state = group.rule.init_state([params[p] for p in group.positions],
+                                          [torch_states[p]
+                                           for p in group.positions])
+            for name in group.rule.state_names:
+                flat.extend(state[name])
+        return flat
+
+    def hyper_values(self, plan: OptimizerPlan,
+                     device: torch.device) -> List[torch.Tensor]:
+        return [torch.tensor(float(plan.groups[g.plan_index].hyper[name]),
+                             dtype=torch.float32, device=device)
+                for g in self.groups for name in g.rule.hyper_names]
+
+    def unflatten_state(self, flat: Sequence[torch.Tensor]
+                        ) -> List[Dict[str, List[torch.Tensor]]]:
+        states, start = [], 0
+        for group in self.groups:
+            state = {}
+            for name in group.rule.state_names:
+                state[name] = list(flat[start:start + len(group.positions)])
+                start += len(group.positions)
+            states.append(state)
+        return states
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Compile-time constants of the training step."""
+    micro_batches_per_step: int          # G x R
+    reduction: ReductionType
+    loss_scaling: float
+    max_grad_norm: object                # float or None
+
+
+def _apply_update(layout: TrainingLayout, settings: StepSettings,
+                  trainable, grads, state, hyper):
+    scale = 1.0
+    if settings.reduction == ReductionType.Mean:
+        scale *= settings.micro_batches_per_step
+    scale *= settings.loss_scaling
+    if scale != 1.0:
+        grads = torch._foreach_div(grads, scale)
+    if settings.max_grad_norm is not None:
+        grads = clip_grad_norm(grads, settings.max_grad_norm)
+    new_params = list(trainable)
+    new_state = []
+    hyper_start = 0
+    for group, group_state in zip(layout.groups,
+                                  layout.unflatten_state(state)):
+        names = group.rule.hyper_names
+        group_hyper = dict(zip(names, hyper[hyper_start:hyper_start +
+                                            len(names)]))
+        hyper_start += len(names)
+        updated, updated_state = group.rule.update(
+            [trainable[p] for p in group.positions],
+            [grads[p] for p in group.positions], group_state, group_hyper)
+        for p, tensor in zip(group.positions, updated):
+            new_params[p] = tensor
+        for name in group.rule.state_names:
+            new_state.extend(updated_state[name])
+    return new_params, new_state
+
+
+def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
+                        layout: TrainingLayout, settings: StepSettings,
+                        example: Dict[str, List[torch.Tensor]],
+                        training_flags: Dict[str, bool], update: bool,
+                        accumulated: bool) -> torch.fx.GraphModule:
+    """Trace one micro-batch step; ``update`` selects the optimizer-step
+    variant, ``accumulated`` whether a running gradient sum is an input."""
+    sizes = [len(example["trainable"]), len(example["frozen"]),
+             len(example["buffers"]), len(example["state"]),
+             len(example["hyper"]),
+             len(example["trainable"]) if accumulated else 0]
+
+    def merge(trainable, frozen):
+        params = [None] * (len(trainable) + len(frozen))
+        for index, tensor in zip(layout.trainable, trainable):
+            params[index] = tensor
+        for index, tensor in zip(layout.frozen, frozen):
+            params[index] = tensor
+        return params
+
+    def step(*flat):
+        trainable, frozen, buffers, state, hyper, running, inputs = split_flat(
+            flat, sizes)
+
+        def objective(trainable, buffers, inputs):
+            buffers = clone_written(buffers, analysis.written_buffers)
+            with losses.LossRecorder() as recorder:
+                output = call(merge(trainable, frozen), buffers, inputs)
+            loss = recorder.losses[analysis.final_loss]
+            value = loss if loss.dim() == 0 else loss.sum()
+            if settings.loss_scaling != 1.0:
+                value = value * settings.loss_scaling
+            written = [buffers[i] for i in analysis.written_buffers]
+            return value, (tensor_outputs(output), written)
+
+        grads, (_, (outputs, written)) = torch.func.grad_and_value(
+            objective, has_aux=True)(trainable, buffers, inputs)
+        grads, outputs, written = list(grads), list(outputs), list(written)
+        if accumulated:
+            grads = list(torch._foreach_add(running, grads))
+        if not update:
+            return written + grads + outputs
+        new_params, new_state = _apply_update(layout, settings, trainable,
+                                              grads, state, hyper)
+        return new_params + written + new_state + outputs
+
+    running = ([torch.zeros_like(p) for p in example["trainable"]]
+               if accumulated else [])
+    flat = (example["trainable"] + example["frozen"] + example["buffers"] +
+            example["state"] + example["hyper"] + running + example["inputs"])
+    with capture_scope(call.module, training_flags):
+        return trace_user_code(step, flat)

@@ -1,0 +1,150 @@
+"""Keeping the user's module (the host copy) and the models' device copies in
+step (semantics.md, "Weights between host and device").
+
+Wrapping a module attaches a ``ModuleSync`` to it and swaps its class for a
+subclass whose parameter and buffer accessors first bring trained weights back
+from the training model's device, once per training call. Pickling and
+deep-copying the module give a plain instance of the original class.
+"""
+import contextlib
+import copyreg
+from typing import Iterator, Optional
+
+import torch
+
+from ..errors import Error
+
+_SYNC_ATTRIBUTE = "_poptorch_sync"
+_suspended = [0]
+
+
+@contextlib.contextmanager
+def host_reads_suspended() -> Iterator[None]:
+    """Reads of the module during capture must not trigger copies."""
+    _suspended[0] += 1
+    try:
+        yield
+    finally:
+        _suspended[0] -= 1
+
+
+class ModuleSync:
+    """Shared state of all models wrapping one user module.
+
+    The module keeps its training model alive until ``destroy()``: trained
+    weights reach the host on the next read even if the program dropped its
+    reference to the training model.
+    """
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.executors = 0
+        self.version = 0
+        self.device_newer = False
+
+    def register(self, executor, training: bool, module_name: str) -> None:
+        if training:
+            current = self.trainer
+            if current is not None and current is not executor:
+                raise Error(
+                    f"This {module_name} module is already wrapped in a "
+                    "training model: one module can be trained by one "
+                    "training model at a time. Call destroy() on the first "
+                    "training model before wrapping the module again.")
+            self.trainer = executor
+        self.executors += 1
+
+    def unregister(self, executor) -> None:
+        if self.trainer is executor:
+            self.bring_host_up_to_date()
+            self.trainer = None
+        self.executors -= 1
+
+    def trained_on_device(self) -> None:
+        """A training call changed the device weights."""
+        self.device_newer = True
+        self.version += 1
+
+    def bring_host_up_to_date(self) -> bool:
+        """Copy trained weights to the host if they are newer there."""
+        if not self.device_newer or _suspended[0]:
+            return False
+        self.device_newer = False
+        trainer = self.trainer
+        if trainer is not None:
+            trainer.copyWeightsToHost()
+        return True
+
+
+def attach(module: torch.nn.Module) -> ModuleSync:
+    """The module's ``ModuleSync``, installing the read hooks on first use."""
+    sync = module.__dict__.get(_SYNC_ATTRIBUTE)
+    if sync is None:
+        sync = ModuleSync()
+        module.__dict__[_SYNC_ATTRIBUTE] = sync
+        module.__class__ = _hooked_class(type(module))
+    return sync
+
+
+def detach(module: torch.nn.Module) -> None:
+    """Remove the hooks once no model wraps the module any more."""
+    sync = module.__dict__.get(_SYNC_ATTRIBUTE)
+    if sync is not None and sync.executors == 0:
+        del module.__dict__[_SYNC_ATTRIBUTE]
+        module.__class__ = type(module)._poptorch_original_class
+
+
+def sync_of(module: torch.nn.Module) -> Optional[ModuleSync]:
+    return module.__dict__.get(_SYNC_ATTRIBUTE)
+
+
+_hooked_classes = {}
+
+
+def _hooked_class(original: type) -> type:
+    hooked = _hooked_classes.get(original)
+    if hooked is None:
+        namespace = {name: _reading(getattr(original, name))
+                     for name in _READ_METHODS}
+        namespace.update(
+            __getattr__=_getattr, __reduce_ex__=_reduce_ex,
+            __module__=original.__module__, __qualname__=original.__qualname__,
+            _poptorch_original_class=original)
+        hooked = type(original.__name__, (original,), namespace)
+        _hooked_classes[original] = hooked
+    return hooked
+
+
+_READ_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers",
+                 "state_dict", "modules", "named_modules", "children",
+                 "named_children", "_apply")
+
+
+def _before_read(module: torch.nn.Module) -> None:
+    sync = module.__dict__.get(_SYNC_ATTRIBUTE)
+    if sync is not None:
+        sync.bring_host_up_to_date()
+
+
+def _reading(method):
+    def hooked(self, *args, **kwargs):
+        _before_read(self)
+        return method(self, *args, **kwargs)
+
+    hooked.__name__ = method.__name__
+    hooked.__doc__ = method.__doc__
+    return hooked
+
+
+def _getattr(self, name: str):
+    _before_read(self)
+    return type(self)._poptorch_original_class.__getattr__(self, name)
+
+
+def _reduce_ex(self, protocol):
+    """Pickle and deep-copy as a plain instance of the original class."""
+    _before_read(self)
+    state = {key: value for key, value in self.__dict__.items()
+             if key != _SYNC_ATTRIBUTE}
+    return (copyreg._reconstructor,
+            (type(self)._poptorch_original_class, object, None), state)

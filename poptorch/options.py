@@ -1,0 +1,1281 @@
+"""``poptorch.Options`` and its option groups (API reference section 11.1).
+
+An ``Options`` object collects every setting that controls how a model is
+compiled and run. Setters validate their arguments, store them and return
+the object (or group) so that calls can be chained; the runtime reads the
+values back through read-only snake_case properties
+(``opts.device_iterations``, ``opts.Training.gradient_accumulation``, ...).
+
+Options handed to a model or a ``DataLoader`` are frozen (``_freeze``):
+setting anything afterwards raises, and ``clone()`` or ``copy.deepcopy``
+gives an unfrozen copy.
+
+``OPTION_EFFECTS`` is the one table saying what each option does on this
+implementation (CPU/GPU): implemented, no effect (an IPU tuning knob, logged
+once at INFO when set), or stored now for a feature that reads it.
+"""
+import copy
+import enum
+import os
+import re
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from .enums import (CommGroupType, ConnectionType, HalfFloatCastingBehavior,
+                    MeanReductionStrategy, OutputMode, ReductionType,
+                    SyncPattern)
+from .errors import Error
+from ._impl import config_file
+from ._impl.config_file import ConfigFileError
+from ._impl.logger import info_once
+
+__all__ = ["Options", "TensorLocationSettings", "ConfigFileError",
+           "OPTION_EFFECTS", "Effect"]
+
+IMPLEMENTED = "implemented"
+NO_EFFECT = "no effect on CPU/GPU"
+STORED = "stored now"
+
+
+class Effect(NamedTuple):
+    """What an option does here: ``kind`` is ``IMPLEMENTED``, ``NO_EFFECT``
+    or ``STORED``; ``note`` says how, why not, or which feature reads it."""
+    kind: str
+    note: str
+
+
+_TENSOR_LOCATIONS = Effect(
+    STORED, "takes effect with tensor locations (off-chip storage, "
+    "replicated tensor sharding)")
+_IO_TILES = Effect(NO_EFFECT, "IPU I/O tiles do not exist on CPU/GPU")
+_SOURCE_LOCATIONS = Effect(
+    STORED, "takes effect with source locations in graph and error messages")
+_DISTRIBUTED = Effect(
+    STORED, "takes effect with distributed execution (DataLoader "
+    "partitioning between processes)")
+
+#: Every option setter (qualified as written in a config file), with its
+#: effect on this implementation. Config files and POPTORCH_DEFAULT_OPTIONS
+#: may call exactly these (TensorLocationSettings.* inside a settings chain).
+OPTION_EFFECTS: Dict[str, Effect] = {
+    "anchorTensor": Effect(STORED, "takes effect with anchored tensors"),
+    "appendToLocationExcludes": _SOURCE_LOCATIONS,
+    "autoRoundNumIPUs": Effect(
+        NO_EFFECT, "no IPUs are reserved, so there is no IPU count to round"),
+    "broadcastBuffers": Effect(
+        IMPLEMENTED, "with False each replica keeps its own buffers"),
+    "connectionType": Effect(
+        IMPLEMENTED, "Never allows compiling but running raises; Always and "
+        "OnDemand behave alike because the device is always available"),
+    "deviceIterations": Effect(
+        IMPLEMENTED, "each call runs this many steps (semantics.md)"),
+    "disableModuleNamescope": Effect(
+        STORED, "takes effect with operator names in the captured graph"),
+    "enableExecutableCaching": Effect(
+        STORED, "takes effect with executable caching"),
+    "enableProfiling": Effect(
+        NO_EFFECT, "IPU profiling reports (PopVision) are not produced; use "
+        "torch.profiler instead"),
+    "enableStableNorm": Effect(
+        NO_EFFECT, "PyTorch's CPU/GPU normalisation kernels already compute "
+        "statistics in a numerically stable way"),
+    "enableSyntheticData": Effect(
+        NO_EFFECT, "there is no host-to-IPU data stream to replace; the "
+        "model always reads the data it is given"),
+    "inputReplicaGrouping": Effect(
+        STORED, "takes effect with replica grouping of inputs"),
+    "logCycleCount": Effect(
+        NO_EFFECT, "IPU cycle counts do not exist on CPU/GPU"),
+    "logDir": Effect(
+        NO_EFFECT, "no log files are written; messages go to the console"),
+    "maxRepeatLogs": Effect(
+        STORED, "takes effect with suppression of repeated log lines"),
+    "modelName": Effect(
+        STORED, "takes effect with model names (profiling and executable "
+        "names)"),
+    "outputMode": Effect(
+        IMPLEMENTED, "selects which iterations' outputs a call returns"),
+    "randomSeed": Effect(
+        IMPLEMENTED, "seeds the random number generator of the model's "
+        "random operations"),
+    "relaxOptimizerAttributesChecks": Effect(
+        STORED, "takes effect with the optimizer attribute checks of "
+        "setOptimizer()"),
+    "replicationFactor": Effect(
+        IMPLEMENTED, "each replica processes its slice of every call's data "
+        "(semantics.md)"),
+    "setAvailableMemoryProportion": Effect(
+        NO_EFFECT, "IPU tile memory budgets do not exist; PyTorch chooses "
+        "its own kernels"),
+    "setExecutionStrategy": Effect(
+        STORED, "takes effect with execution strategies (pipelined, "
+        "sharded, phased)"),
+    "showCompilationProgressBar": Effect(
+        STORED, "takes effect with the compilation progress bar"),
+    "sourceLocationExcludes": _SOURCE_LOCATIONS,
+    "syncPattern": Effect(
+        NO_EFFECT, "IPU/host synchronisation patterns do not exist"),
+    "useIpuId": Effect(
+        NO_EFFECT, "there are no IPU devices to select; the model runs on "
+        "its PyTorch device"),
+    "useIpuModel": Effect(
+        NO_EFFECT, "there is no IPU to simulate; the model runs on its "
+        "PyTorch device"),
+    "useOfflineIpuTarget": Effect(
+        STORED, "takes effect with precompilation (compileAndExport); it "
+        "also sets connectionType(Never)"),
+    "Training.gradientAccumulation": Effect(
+        IMPLEMENTED, "each optimizer step accumulates this many "
+        "micro-batches"),
+    "Training.accumulationAndReplicationReductionType": Effect(
+        IMPLEMENTED, "Mean averages, Sum adds the gradients of accumulated "
+        "micro-batches and replicas"),
+    "Training.setMeanAccumulationAndReplicationReductionStrategy": Effect(
+        STORED, "takes effect with the mean reduction strategy of "
+        "gradient accumulation"),
+    "Training.setAutomaticLossScaling": Effect(
+        STORED, "takes effect with automatic loss scaling"),
+    "Training.setConvolutionDithering": Effect(
+        NO_EFFECT, "convolution tile placement is specific to the IPU"),
+    "Precision.autocastEnabled": Effect(
+        STORED, "takes effect with automatic mixed-precision casting "
+        "(poptorch.autocast)"),
+    "Precision.enableFloatingPointExceptions": Effect(
+        NO_EFFECT, "CPU/GPU arithmetic follows IEEE rules (inf and NaN "
+        "results) and PyTorch has no floating-point trap mode"),
+    "Precision.enableStochasticRounding": Effect(
+        NO_EFFECT, "CPU/GPU arithmetic rounds to nearest; PyTorch has no "
+        "stochastic rounding mode"),
+    "Precision.halfFloatCasting": Effect(
+        NO_EFFECT, "mixed float16/float32 operations follow PyTorch type "
+        "promotion (like HalfUpcastToFloat); the spec marks this option as "
+        "about to be removed"),
+    "Precision.runningStatisticsAlwaysFloat": Effect(
+        NO_EFFECT, "running statistics keep the dtype of the module's "
+        "buffers as in PyTorch; the spec marks this option as about to be "
+        "removed"),
+    "Precision.setPartialsType": Effect(
+        NO_EFFECT, "the PyTorch backend chooses the accumulation precision "
+        "of matrix multiplications and convolutions"),
+    "Jit.traceModel": Effect(
+        NO_EFFECT, "models are captured by PopTorch's own capture, not by a "
+        "choice of JIT tracing; the spec marks this option as about to be "
+        "removed"),
+    "TensorLocations.numIOTiles": _IO_TILES,
+    "TensorLocations.setActivationLocation": _TENSOR_LOCATIONS,
+    "TensorLocations.setWeightLocation": _TENSOR_LOCATIONS,
+    "TensorLocations.setOptimizerLocation": _TENSOR_LOCATIONS,
+    "TensorLocations.setAccumulatorLocation": _TENSOR_LOCATIONS,
+    "TensorLocationSettings.useOnChipStorage": _TENSOR_LOCATIONS,
+    "TensorLocationSettings.useReplicatedTensorSharding": _TENSOR_LOCATIONS,
+    "TensorLocationSettings.minElementsForOffChip": _TENSOR_LOCATIONS,
+    "TensorLocationSettings.minElementsForReplicatedTensorSharding":
+        _TENSOR_LOCATIONS,
+    "TensorLocationSettings.useIOTilesToLoad": _IO_TILES,
+    "TensorLocationSettings.useIOTilesToStore": _IO_TILES,
+    "Distributed.configureProcessId": _DISTRIBUTED,
+    "Distributed.disable": _DISTRIBUTED,
+    "Distributed.setEnvVarNames": _DISTRIBUTED,
+}
+
+
+def _announce_effect(option: str) -> None:
+    """Log once at INFO when a knob without effect here is set."""
+    effect = OPTION_EFFECTS[option]
+    if effect.kind == NO_EFFECT:
+        info_once(f"{option} has no effect on this device (CPU/GPU): "
+                  f"{effect.note}. The value is validated and stored.")
+
+
+# --- Argument checks ---
+
+def _invalid(what: str, expected: str, value: Any) -> Error:
+    return Error(f"{what} must be {expected}, got {value!r}")
+
+
+def _check_bool(what: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _invalid(what, "a bool (True or False)", value)
+
+
+def _check_int(what: str, value: Any, minimum: Optional[int] = None,
+               below: Optional[int] = None) -> None:
+    expected = "an int"
+    if minimum is not None:
+        expected += f" >= {minimum}"
+    if below is not None:
+        expected += f" and < {below}"
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or (minimum is not None and value < minimum)
+            or (below is not None and value >= below)):
+        raise _invalid(what, expected, value)
+
+
+def _check_str(what: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise _invalid(what, "a str", value)
+
+
+def _check_enum(what: str, value: Any, enum_class: type,
+                allowed: Optional[Tuple[enum.Enum, ...]] = None) -> None:
+    allowed = tuple(enum_class) if allowed is None else allowed
+    if not isinstance(value, enum_class) or value not in allowed:
+        names = ", ".join(f"poptorch.{enum_class.__name__}.{member.name}"
+                          for member in allowed)
+        raise _invalid(what, f"one of {names}", value)
+
+
+def _path_or_none(what: str, value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise _invalid(what, "a path (str or os.PathLike) or None", value)
+    return os.fspath(value)
+
+
+def _frozen_error(option: str) -> Error:
+    return Error(
+        f"Cannot call {option}(): these options are frozen because they were "
+        "passed to a model or a DataLoader. Use options.clone() to get an "
+        "unfrozen copy and change that one.")
+
+
+# --- Shared machinery of Options, its groups and TensorLocationSettings ---
+
+class _Unset:
+    """Marks a value that has not been set explicitly and comes from the
+    environment when read."""
+
+    def __repr__(self) -> str:
+        return "<from environment>"
+
+    def __reduce__(self) -> str:
+        return "_UNSET"
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Unset":
+        return self
+
+
+_UNSET = _Unset()
+
+
+def _read_only(name: str, doc: str) -> property:
+    """A read-only property returning (a copy of) the stored value."""
+
+    def read(self: "_OptionsGroup") -> Any:
+        value = self._values[name]
+        return copy.copy(value) if isinstance(value, (list, dict)) else value
+
+    return property(read, doc=doc)
+
+
+class _OptionsGroup:
+    """Stored values, freezing, copying and printing shared by ``Options``,
+    its groups and ``TensorLocationSettings``.
+
+    ``_DEFAULTS`` maps each read-side property name to its default value;
+    setters never mutate a stored list or dict in place, they store a new one.
+    """
+    _DISPLAY_NAME = ""
+    _DEFAULTS: Dict[str, Any] = {}
+    _GROUPS: Tuple[str, ...] = ()
+    _SETTER_OF: Dict[str, str] = {}
+
+    def __init__(self) -> None:
+        self._values: Dict[str, Any] = copy.deepcopy(self._DEFAULTS)
+        self._frozen = False
+
+    def _apply_keywords(self, default_values: Dict[str, Any]) -> None:
+        """Set initial values given as ``property_name=value`` keywords
+        through the matching setters."""
+        for name, value in default_values.items():
+            if name not in self._SETTER_OF:
+                allowed = ", ".join(self._SETTER_OF)
+                raise Error(f"{self._DISPLAY_NAME}() got an unknown keyword "
+                            f"{name!r}; allowed keywords: {allowed}")
+            getattr(self, self._SETTER_OF[name])(value)
+
+    def _store(self, option: str, **values: Any) -> Any:
+        """Record already validated values for ``option``; return self."""
+        if self._frozen:
+            raise _frozen_error(option)
+        self._values.update(values)
+        _announce_effect(option)
+        return self
+
+    def _children(self) -> Iterator["_OptionsGroup"]:
+        for value in self._values.values():
+            if isinstance(value, _OptionsGroup):
+                yield value
+        for name in self._GROUPS:
+            yield getattr(self, name)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        self._frozen = frozen
+        for child in self._children():
+            child._set_frozen(frozen)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_OptionsGroup":
+        duplicate = type(self).__new__(type(self))
+        memo[id(self)] = duplicate
+        duplicate.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        duplicate._set_frozen(False)
+        return duplicate
+
+    def __copy__(self) -> "_OptionsGroup":
+        """Options have no useful shallow copy: copy.copy gives the same
+        unfrozen deep copy as copy.deepcopy."""
+        return copy.deepcopy(self)
+
+    def _exported_names(self) -> Tuple[str, ...]:
+        return tuple(self._DEFAULTS) + self._GROUPS
+
+    def toDict(self) -> Dict[str, Any]:
+        """Every option as plain JSON-serialisable values (nested dicts for
+        groups, enums as ``"Enum.Member"``, dtypes as ``"torch.float16"``,
+        other objects by ``repr``). Equal options give equal dicts."""
+        return {name: _plain(getattr(self, name))
+                for name in self._exported_names()}
+
+    def _reference(self) -> "_OptionsGroup":
+        """An object of the same type holding the built-in defaults."""
+        return type(self)()
+
+    def _changed_items(self, reference: "_OptionsGroup",
+                       prefix: str) -> Iterator[Tuple[str, str]]:
+        for name in self._DEFAULTS:
+            value = getattr(self, name)
+            if value != getattr(reference, name):
+                yield prefix + name, _readable(value)
+        for name in self._GROUPS:
+            yield from getattr(self, name)._changed_items(
+                getattr(reference, name), f"{prefix}{name}.")
+
+    def __repr__(self) -> str:
+        changed = self._changed_items(self._reference(), "")
+        listed = ", ".join(f"{name}={value}" for name, value in changed)
+        return f"{self._DISPLAY_NAME}({listed})"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _OptionsGroup):
+        return value.toDict()
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _readable(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, (list, tuple)):
+        items = ", ".join(_readable(item) for item in value)
+        return f"[{items}]" if isinstance(value, list) else f"({items})"
+    if isinstance(value, dict):
+        items = ", ".join(f"{key!r}: {_readable(item)}"
+                          for key, item in value.items())
+        return "{" + items + "}"
+    return repr(value)
+
+
+# --- Groups ---
+
+class TensorLocationSettings(_OptionsGroup):
+    """Where a kind of tensor is stored: on or off chip, with or without
+    replicated tensor sharding (RTS), through I/O tiles or compute tiles.
+
+    Keywords set initial values by property name, for example
+    ``TensorLocationSettings(on_chip=False)``.
+
+    >>> opts.TensorLocations.setActivationLocation(
+    ...     poptorch.TensorLocationSettings().useOnChipStorage(False))
+    """
+    _DISPLAY_NAME = "TensorLocationSettings"
+    _DEFAULTS = {
+        "on_chip": None,
+        "replicated_tensor_sharding": False,
+        "min_elements_for_off_chip": 0,
+        "min_elements_for_replicated_tensor_sharding": 0,
+        "io_tiles_to_load": False,
+        "io_tiles_to_store": False,
+    }
+    _SETTER_OF = {
+        "on_chip": "useOnChipStorage",
+        "replicated_tensor_sharding": "useReplicatedTensorSharding",
+        "min_elements_for_off_chip": "minElementsForOffChip",
+        "min_elements_for_replicated_tensor_sharding":
+            "minElementsForReplicatedTensorSharding",
+        "io_tiles_to_load": "useIOTilesToLoad",
+        "io_tiles_to_store": "useIOTilesToStore",
+    }
+
+    def __init__(self, **default_values: Any) -> None:
+        super().__init__()
+        self._apply_keywords(default_values)
+
+    on_chip = _read_only(
+        "on_chip", "True: on-chip memory, False: off-chip memory, None: "
+        "undefined (the default).")
+    replicated_tensor_sharding = _read_only(
+        "replicated_tensor_sharding", "Whether replicated tensor sharding is "
+        "enabled (default False).")
+    min_elements_for_off_chip = _read_only(
+        "min_elements_for_off_chip", "Tensors with fewer elements are not "
+        "considered for off-chip storage (default 0).")
+    min_elements_for_replicated_tensor_sharding = _read_only(
+        "min_elements_for_replicated_tensor_sharding", "Only tensors with "
+        "more elements use replicated tensor sharding (default 0).")
+    io_tiles_to_load = _read_only(
+        "io_tiles_to_load", "Whether tensors are loaded through I/O tiles "
+        "(default False).")
+    io_tiles_to_store = _read_only(
+        "io_tiles_to_store", "Whether tensors are stored through I/O tiles "
+        "(default False).")
+
+    def useOnChipStorage(self, use: Optional[bool] = True
+                         ) -> "TensorLocationSettings":
+        """Permanent storage: True on chip, False off chip, None
+        undefined."""
+        option = "TensorLocationSettings.useOnChipStorage"
+        if use is not None:
+            _check_bool(option, use)
+        return self._store(option, on_chip=use)
+
+    def useReplicatedTensorSharding(self, use: bool = True
+                                    ) -> "TensorLocationSettings":
+        """Enable replicated tensor sharding (relevant for weights and
+        optimiser states)."""
+        option = "TensorLocationSettings.useReplicatedTensorSharding"
+        _check_bool(option, use)
+        return self._store(option, replicated_tensor_sharding=use)
+
+    def minElementsForOffChip(self, min_elements: int
+                              ) -> "TensorLocationSettings":
+        """Tensors with fewer than ``min_elements`` elements are not
+        considered for offloading."""
+        option = "TensorLocationSettings.minElementsForOffChip"
+        _check_int(option, min_elements, minimum=0)
+        return self._store(option, min_elements_for_off_chip=min_elements)
+
+    def minElementsForReplicatedTensorSharding(self, min_elements: int
+                                               ) -> "TensorLocationSettings":
+        """Only use replicated tensor sharding for tensors with more than
+        ``min_elements`` elements."""
+        option = ("TensorLocationSettings."
+                  "minElementsForReplicatedTensorSharding")
+        _check_int(option, min_elements, minimum=0)
+        return self._store(
+            option, min_elements_for_replicated_tensor_sharding=min_elements)
+
+    def useIOTilesToLoad(self, use: bool = True) -> "TensorLocationSettings":
+        """Load tensors through I/O tiles (True) or compute tiles (False)."""
+        option = "TensorLocationSettings.useIOTilesToLoad"
+        _check_bool(option, use)
+        return self._store(option, io_tiles_to_load=use)
+
+    def useIOTilesToStore(self, use: bool = True) -> "TensorLocationSettings":
+        """Store tensors through I/O tiles (True) or compute tiles (False);
+        relevant for replicated tensor sharded tensors."""
+        option = "TensorLocationSettings.useIOTilesToStore"
+        _check_bool(option, use)
+        return self._store(option, io_tiles_to_store=use)
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, TensorLocationSettings):
+            return NotImplemented
+        return self._values == other._values
+
+    __hash__ = None
+
+
+class _TrainingOptions(_OptionsGroup):
+    """Options specific to training (``opts.Training``). They must not be
+    set for inference models."""
+    _DISPLAY_NAME = "_TrainingOptions"
+    _DEFAULTS = {
+        "gradient_accumulation": 1,
+        "accumulation_and_replication_reduction_type": ReductionType.Mean,
+        "mean_accumulation_and_replication_reduction_strategy": None,
+        "auto_loss_scaling": False,
+        "convolution_dithering": False,
+    }
+
+    gradient_accumulation = _read_only(
+        "gradient_accumulation", "Micro-batches accumulated per optimizer "
+        "step (default 1).")
+    accumulation_and_replication_reduction_type = _read_only(
+        "accumulation_and_replication_reduction_type", "How gradients are "
+        "reduced over accumulation and replicas (default ReductionType.Mean).")
+    mean_accumulation_and_replication_reduction_strategy = _read_only(
+        "mean_accumulation_and_replication_reduction_strategy",
+        "A MeanReductionStrategy, or None (the default): chosen from the "
+        "optimizer (Running for a float16 accum_type, else Post).")
+    auto_loss_scaling = _read_only(
+        "auto_loss_scaling", "Whether automatic loss scaling is enabled "
+        "(default False).")
+    convolution_dithering = _read_only(
+        "convolution_dithering", "Whether convolution dithering is enabled "
+        "(default False).")
+
+    def gradientAccumulation(self, gradient_accumulation: int
+                             ) -> "_TrainingOptions":
+        """Number of micro-batches whose gradients are accumulated before
+        each optimizer update (scales the global batch size)."""
+        option = "Training.gradientAccumulation"
+        _check_int(option, gradient_accumulation, minimum=1)
+        return self._store(option, gradient_accumulation=gradient_accumulation)
+
+    def accumulationAndReplicationReductionType(
+            self, reduction_type: ReductionType) -> "_TrainingOptions":
+        """Reduction of gradients over accumulated micro-batches and
+        replicas: ``ReductionType.Mean`` (default) or ``ReductionType.Sum``."""
+        option = "Training.accumulationAndReplicationReductionType"
+        _check_enum(option, reduction_type, ReductionType,
+                    (ReductionType.Mean, ReductionType.Sum))
+        return self._store(
+            option, accumulation_and_replication_reduction_type=reduction_type)
+
+    def setMeanAccumulationAndReplicationReductionStrategy(
+            self, mean_reduction_strategy: MeanReductionStrategy
+    ) -> "_TrainingOptions":
+        """When a ``Mean`` reduction divides by its factor: ``Running``,
+        ``Post`` or (deprecated) ``PostAndLoss``."""
+        option = "Training.setMeanAccumulationAndReplicationReductionStrategy"
+        _check_enum(option, mean_reduction_strategy, MeanReductionStrategy)
+        return self._store(
+            option, mean_accumulation_and_replication_reduction_strategy=(
+                mean_reduction_strategy))
+
+    def setAutomaticLossScaling(self, enabled: bool) -> "_TrainingOptions":
+        """Enable or disable automatic loss scaling."""
+        option = "Training.setAutomaticLossScaling"
+        _check_bool(option, enabled)
+        return self._store(option, auto_loss_scaling=enabled)
+
+    def setConvolutionDithering(self, enabled: bool) -> "_TrainingOptions":
+        """Enable or disable convolution dithering for all convolutions."""
+        option = "Training.setConvolutionDithering"
+        _check_bool(option, enabled)
+        return self._store(option, convolution_dithering=enabled)
+
+
+class _PrecisionOptions(_OptionsGroup):
+    """Options related to numerical precision (``opts.Precision``)."""
+    _DISPLAY_NAME = "_PrecisionOptions"
+    _DEFAULTS = {
+        "half_float_casting": HalfFloatCastingBehavior.Default,
+        "running_statistics_always_float": True,
+        "partials_type": torch.float32,
+        "stochastic_rounding": False,
+        "floating_point_exceptions": False,
+        "autocast_enabled": True,
+    }
+
+    half_float_casting = _read_only(
+        "half_float_casting", "A HalfFloatCastingBehavior (default "
+        "HalfFloatCastingBehavior.Default).")
+    running_statistics_always_float = _read_only(
+        "running_statistics_always_float", "Default True.")
+    partials_type = _read_only(
+        "partials_type", "dtype of matmul/convolution partials (default "
+        "torch.float32).")
+    stochastic_rounding = _read_only(
+        "stochastic_rounding", "Whether stochastic rounding is enabled "
+        "(default False).")
+    floating_point_exceptions = _read_only(
+        "floating_point_exceptions", "Whether floating point exceptions are "
+        "enabled (default False).")
+    autocast_enabled = _read_only(
+        "autocast_enabled", "Whether poptorch.autocast is allowed to act "
+        "(default True).")
+
+    def halfFloatCasting(self, half_float_casting: HalfFloatCastingBehavior
+                         ) -> "_PrecisionOptions":
+        """Casting rule for operations mixing float16 and float32 (the spec
+        marks it as about to be removed)."""
+        option = "Precision.halfFloatCasting"
+        _check_enum(option, half_float_casting, HalfFloatCastingBehavior)
+        return self._store(option, half_float_casting=half_float_casting)
+
+    def runningStatisticsAlwaysFloat(self, value: bool) -> "_PrecisionOptions":
+        """Keep batch-norm running statistics in float32 (the spec marks it as
+        about to be removed)."""
+        option = "Precision.runningStatisticsAlwaysFloat"
+        _check_bool(option, value)
+        return self._store(option, running_statistics_always_float=value)
+
+    def setPartialsType(self, dtype: torch.dtype) -> "_PrecisionOptions":
+        """dtype of partial results of matrix multiplications and
+        convolutions: ``torch.float`` or ``torch.half``."""
+        option = "Precision.setPartialsType"
+        if dtype not in (torch.float32, torch.float16):
+            raise _invalid(option, "torch.float or torch.half", dtype)
+        return self._store(option, partials_type=dtype)
+
+    def enableStochasticRounding(self, enabled: bool) -> "_PrecisionOptions":
+        """Enable or disable stochastic rounding."""
+        option = "Precision.enableStochasticRounding"
+        _check_bool(option, enabled)
+        return self._store(option, stochastic_rounding=enabled)
+
+    def enableFloatingPointExceptions(self, enabled: bool
+                                      ) -> "_PrecisionOptions":
+        """Raise on invalid floating point operations (infinities subtracted,
+        division by zero, ...) when True."""
+        option = "Precision.enableFloatingPointExceptions"
+        _check_bool(option, enabled)
+        return self._store(option, floating_point_exceptions=enabled)
+
+    def autocastEnabled(self, enabled: bool) -> "_PrecisionOptions":
+        """Turn automatic mixed-precision casting (``poptorch.autocast``) on
+        or off for the whole application."""
+        option = "Precision.autocastEnabled"
+        _check_bool(option, enabled)
+        return self._store(option, autocast_enabled=enabled)
+
+
+class _JitOptions(_OptionsGroup):
+    """Options related to PyTorch's JIT compiler (``opts.Jit``)."""
+    _DISPLAY_NAME = "_JitOptions"
+    _DEFAULTS = {"trace_model": False}
+    _SETTER_OF = {"trace_model": "traceModel"}
+
+    def __init__(self, **default_values: Any) -> None:
+        super().__init__()
+        self._apply_keywords(default_values)
+
+    trace_model = _read_only(
+        "trace_model", "Whether the model is traced with torch.jit (default "
+        "False).")
+
+    def traceModel(self, trace_model: bool) -> "_JitOptions":
+        """Use torch.jit tracing (the spec marks it as about to be
+        removed)."""
+        option = "Jit.traceModel"
+        _check_bool(option, trace_model)
+        return self._store(option, trace_model=trace_model)
+
+
+class _TensorLocationOptions(_OptionsGroup):
+    """Where tensors are stored (``opts.TensorLocations``)."""
+    _DISPLAY_NAME = "_TensorLocationOptions"
+    _DEFAULTS = {
+        "activation_location": None,
+        "weight_location": None,
+        "optimizer_location": None,
+        "accumulator_location": None,
+        "num_io_tiles": 0,
+    }
+    _SETTER_OF = {
+        "activation_location": "setActivationLocation",
+        "weight_location": "setWeightLocation",
+        "optimizer_location": "setOptimizerLocation",
+        "accumulator_location": "setAccumulatorLocation",
+        "num_io_tiles": "numIOTiles",
+    }
+
+    def __init__(self, **default_values: Any) -> None:
+        super().__init__()
+        self._apply_keywords(default_values)
+
+    activation_location = _read_only(
+        "activation_location", "TensorLocationSettings for activations, or "
+        "None (default).")
+    weight_location = _read_only(
+        "weight_location", "TensorLocationSettings for weights, or None "
+        "(default).")
+    optimizer_location = _read_only(
+        "optimizer_location", "TensorLocationSettings for optimizer states, "
+        "or None (default).")
+    accumulator_location = _read_only(
+        "accumulator_location", "TensorLocationSettings for accumulators, "
+        "or None (default).")
+    num_io_tiles = _read_only(
+        "num_io_tiles", "Number of IPU tiles used for I/O (default 0).")
+
+    def numIOTiles(self, num_tiles: int) -> "_TensorLocationOptions":
+        """Number of IPU tiles reserved for I/O rather than compute."""
+        option = "TensorLocations.numIOTiles"
+        _check_int(option, num_tiles, minimum=0)
+        return self._store(option, num_io_tiles=num_tiles)
+
+    def _store_location(self, option: str, name: str,
+                        location: TensorLocationSettings
+                        ) -> "_TensorLocationOptions":
+        if not isinstance(location, TensorLocationSettings):
+            raise _invalid(option, "a poptorch.TensorLocationSettings",
+                           location)
+        return self._store(option, **{name: copy.deepcopy(location)})
+
+    def setActivationLocation(self, location: TensorLocationSettings
+                              ) -> "_TensorLocationOptions":
+        """Tensor location settings for activations (a copy is stored)."""
+        return self._store_location("TensorLocations.setActivationLocation",
+                                    "activation_location", location)
+
+    def setWeightLocation(self, location: TensorLocationSettings
+                          ) -> "_TensorLocationOptions":
+        """Tensor location settings for weights (a copy is stored)."""
+        return self._store_location("TensorLocations.setWeightLocation",
+                                    "weight_location", location)
+
+    def setOptimizerLocation(self, location: TensorLocationSettings
+                             ) -> "_TensorLocationOptions":
+        """Tensor location settings for optimizer states (a copy is
+        stored)."""
+        return self._store_location("TensorLocations.setOptimizerLocation",
+                                    "optimizer_location", location)
+
+    def setAccumulatorLocation(self, location: TensorLocationSettings
+                               ) -> "_TensorLocationOptions":
+        """Tensor location settings for accumulators (a copy is stored)."""
+        return self._store_location("TensorLocations.setAccumulatorLocation",
+                                    "accumulator_location", location)
+
+
+_PROCESS_ENVIRONMENTS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+                         ("WORLD_SIZE", "RANK"))
+
+
+class _DistributedOptions(_OptionsGroup):
+    """Options of distributed execution (``opts.Distributed``).
+
+    By default the process id and count come from OpenMPI's
+    ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``, else from torchrun's
+    ``RANK``/``WORLD_SIZE``, else 0 and 1.
+    """
+    _DISPLAY_NAME = "_DistributedOptions"
+    _DEFAULTS = {"processId": 0, "numProcesses": 1}
+
+    processId = _read_only("processId", "Id of the current process.")
+    numProcesses = _read_only(
+        "numProcesses", "Total number of processes the execution is "
+        "distributed over.")
+
+    def _read_environment(self) -> None:
+        for size_variable, rank_variable in _PROCESS_ENVIRONMENTS:
+            if size_variable in os.environ or rank_variable in os.environ:
+                self.setEnvVarNames(size_variable, rank_variable)
+                return
+
+    def configureProcessId(self, process_id: int, num_processes: int
+                           ) -> "_DistributedOptions":
+        """Set this process's id and the total number of processes."""
+        return self._set_process("Distributed.configureProcessId",
+                                 process_id, num_processes)
+
+    def _set_process(self, option: str, process_id: int,
+                     num_processes: int) -> "_DistributedOptions":
+        _check_int(f"{option} num_processes", num_processes, minimum=1)
+        _check_int(f"{option} process_id", process_id, minimum=0,
+                   below=num_processes)
+        return self._store(option, processId=process_id,
+                           numProcesses=num_processes)
+
+    def disable(self) -> "_DistributedOptions":
+        """Disable distributed execution: process 0 of 1, whatever the
+        environment says."""
+        return self._store("Distributed.disable", processId=0, numProcesses=1)
+
+    def setEnvVarNames(self, var_num_processes: str, var_process_id: str
+                       ) -> "_DistributedOptions":
+        """Read the number of processes and this process's id from the
+        named environment variables (1 and 0 when a variable is unset)."""
+        option = "Distributed.setEnvVarNames"
+        _check_str(f"{option} var_num_processes", var_num_processes)
+        _check_str(f"{option} var_process_id", var_process_id)
+        num_processes = _integer_from_environment(option, var_num_processes, 1)
+        process_id = _integer_from_environment(option, var_process_id, 0)
+        return self._set_process(option, process_id, num_processes)
+
+
+def _integer_from_environment(option: str, variable: str, default: int) -> int:
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise Error(f"{option}: environment variable {variable} must hold an "
+                    f"integer, got {text!r}") from None
+
+
+# --- Options ---
+
+_IPU_NAME = re.compile(r"IPU\d+")
+_IPU_VERSIONS = (1, 2, 21)
+
+
+class Options(_OptionsGroup):
+    """Set of all options controlling how a model is compiled and run.
+
+    Pass an instance to ``poptorch.inferenceModel`` or
+    ``poptorch.trainingModel``. General options are methods of this class;
+    categories of options are groups: ``Training``, ``Precision``,
+    ``TensorLocations``, ``Jit`` and ``Distributed``.
+
+    ``POPTORCH_DEFAULT_OPTIONS`` (a JSON object of option paths to values) is
+    applied on construction.
+
+    >>> opts = poptorch.Options()
+    >>> opts.deviceIterations(10)
+    >>> opts.Training.gradientAccumulation(4)
+    """
+    _DISPLAY_NAME = "Options"
+    _GROUPS = ("Training", "Precision", "TensorLocations", "Jit",
+               "Distributed")
+    _DEFAULTS = {
+        "device_iterations": 1,
+        "replication_factor": 1,
+        "output_mode": OutputMode.Default,
+        "output_return_period": 1,
+        "random_seed": None,
+        "connection_type": ConnectionType.Always,
+        "use_ipu_model": _UNSET,
+        "ipu_id": None,
+        "offline_ipu_version": None,
+        "broadcast_buffers": True,
+        "auto_round_num_ipus": False,
+        "execution_strategy": None,
+        "input_group_size": 1,
+        "input_group_type": CommGroupType.Consecutive,
+        "executable_cache_dir": _UNSET,
+        "show_compilation_progress_bar": True,
+        "module_namescope": True,
+        "source_location_excludes": ["torch/", "poptorch/", "<frozen"],
+        "relax_optimizer_attributes_checks": False,
+        "anchored_tensors": {},
+        "model_name": None,
+        "log_dir": ".",
+        "max_repeat_logs": 4,
+        "profile_dir": None,
+        "log_cycle_count": False,
+        "stable_norm": False,
+        "synthetic_data": False,
+        "sync_pattern": SyncPattern.Full,
+        "available_memory_proportion": {},
+    }
+
+    def __init__(self) -> None:
+        self._init_builtin_defaults()
+        self._distributed._read_environment()
+        self._apply_atomically(
+            config_file.read_default_options(self, _VOCABULARY))
+
+    def _init_builtin_defaults(self) -> None:
+        super().__init__()
+        self._training = _TrainingOptions()
+        self._precision = _PrecisionOptions()
+        self._tensor_locations = _TensorLocationOptions()
+        self._jit = _JitOptions()
+        self._distributed = _DistributedOptions()
+
+    def _reference(self) -> "Options":
+        reference = Options.__new__(Options)
+        reference._init_builtin_defaults()
+        return reference
+
+    # Groups -----------------------------------------------------------------
+
+    @property
+    def Training(self) -> _TrainingOptions:
+        """Options specific to training."""
+        return self._training
+
+    @property
+    def Precision(self) -> _PrecisionOptions:
+        """Options related to numerical precision."""
+        return self._precision
+
+    @property
+    def TensorLocations(self) -> _TensorLocationOptions:
+        """Options related to tensor locations."""
+        return self._tensor_locations
+
+    @property
+    def Jit(self) -> _JitOptions:
+        """Options related to upstream PyTorch's JIT compiler."""
+        return self._jit
+
+    @property
+    def Distributed(self) -> _DistributedOptions:
+        """Options of distributed execution over several processes."""
+        return self._distributed
+
+    # Read-side properties ---------------------------------------------------
+
+    device_iterations = _read_only(
+        "device_iterations", "Iterations run per call (default 1).")
+    replication_factor = _read_only(
+        "replication_factor", "Number of replicas of the model (default 1).")
+    output_mode = _read_only(
+        "output_mode", "Which outputs a call returns (default "
+        "OutputMode.Default).")
+    output_return_period = _read_only(
+        "output_return_period", "N of OutputMode.EveryN (default 1).")
+    random_seed = _read_only(
+        "random_seed", "Seed of the random number generator, or None "
+        "(default).")
+    connection_type = _read_only(
+        "connection_type", "When to attach to the device (default "
+        "ConnectionType.Always).")
+    ipu_id = _read_only("ipu_id", "IPU device id to use, or None (default).")
+    offline_ipu_version = _read_only(
+        "offline_ipu_version", "IPU version of the offline target, or None "
+        "(default: no offline target).")
+    broadcast_buffers = _read_only(
+        "broadcast_buffers", "Whether buffers are broadcast to all replicas "
+        "(default True).")
+    auto_round_num_ipus = _read_only(
+        "auto_round_num_ipus", "Whether the number of IPUs is rounded up to a "
+        "power of 2 (default False).")
+    execution_strategy = _read_only(
+        "execution_strategy", "The execution strategy object, or None "
+        "(default).")
+    input_group_size = _read_only(
+        "input_group_size", "Replicas per input replica group (default 1).")
+    input_group_type = _read_only(
+        "input_group_type", "Arrangement of input replica groups (default "
+        "CommGroupType.Consecutive).")
+    show_compilation_progress_bar = _read_only(
+        "show_compilation_progress_bar", "Whether a progress bar is shown "
+        "while compiling (default True).")
+    module_namescope = _read_only(
+        "module_namescope", "Whether operator names are prefixed by module "
+        "names (default True).")
+    source_location_excludes = _read_only(
+        "source_location_excludes", "Frames whose file name contains one of "
+        "these strings are skipped when reporting source locations.")
+    relax_optimizer_attributes_checks = _read_only(
+        "relax_optimizer_attributes_checks", "Whether unexpected optimizer "
+        "attributes give debug messages instead of warnings (default False).")
+    anchored_tensors = _read_only(
+        "anchored_tensors", "short name -> (long name, OutputMode or None, "
+        "output return period) of each anchored tensor.")
+    model_name = _read_only(
+        "model_name", "Name of the model, or None (default: 'inference' or "
+        "'training').")
+    log_dir = _read_only(
+        "log_dir", "Directory for log files (default: current directory).")
+    max_repeat_logs = _read_only(
+        "max_repeat_logs", "Repeated log lines shown before suppression, or "
+        "None for all (default 4).")
+    profile_dir = _read_only(
+        "profile_dir", "Directory of profiling reports, or None when "
+        "profiling is off (default).")
+    log_cycle_count = _read_only(
+        "log_cycle_count", "Whether IPU cycle counts are logged (default "
+        "False).")
+    stable_norm = _read_only(
+        "stable_norm", "Whether stable norm operators are used (default "
+        "False).")
+    synthetic_data = _read_only(
+        "synthetic_data", "Whether synthetic data replaces host I/O (default "
+        "False).")
+    sync_pattern = _read_only(
+        "sync_pattern", "IPU synchronisation pattern (default "
+        "SyncPattern.Full).")
+    available_memory_proportion = _read_only(
+        "available_memory_proportion", "'IPU<n>' -> proportion of temporary "
+        "memory (default empty).")
+
+    @property
+    def use_ipu_model(self) -> bool:
+        """The value given to ``useIpuModel``, else whether
+        ``POPTORCH_IPU_MODEL=1`` is set now."""
+        explicit = self._values["use_ipu_model"]
+        if explicit is not _UNSET:
+            return explicit
+        return os.environ.get("POPTORCH_IPU_MODEL") == "1"
+
+    @property
+    def executable_cache_dir(self) -> Optional[str]:
+        """The path given to ``enableExecutableCaching`` (None disables
+        caching), else ``POPTORCH_CACHE_DIR`` when it is set now, else
+        None."""
+        explicit = self._values["executable_cache_dir"]
+        if explicit is not _UNSET:
+            return explicit
+        return os.environ.get("POPTORCH_CACHE_DIR") or None
+
+    # Setters ----------------------------------------------------------------
+
+    def deviceIterations(self, device_iterations: int) -> "Options":
+        """Number of iterations the device runs over the data before returning
+        to the user (default 1)."""
+        _check_int("deviceIterations", device_iterations, minimum=1)
+        return self._store("deviceIterations",
+                           device_iterations=device_iterations)
+
+    def replicationFactor(self, replication_factor: int) -> "Options":
+        """Number of times the model is replicated (default 1)."""
+        _check_int("replicationFactor", replication_factor, minimum=1)
+        return self._store("replicationFactor",
+                           replication_factor=replication_factor)
+
+    def outputMode(self, output_mode: OutputMode,
+                   output_return_period: Optional[int] = None) -> "Options":
+        """Which data a call returns: ``All``, ``Sum``, ``Final``, ``EveryN``
+        (every ``output_return_period`` iterations) or ``Default`` (``All``
+        for inference, ``Final`` for training)."""
+        _check_enum("outputMode", output_mode, OutputMode)
+        if output_mode == OutputMode.EveryN:
+            _check_int("outputMode output_return_period (with "
+                       "OutputMode.EveryN)", output_return_period, minimum=1)
+        elif output_return_period is not None:
+            raise Error(
+                "outputMode output_return_period is only used with "
+                f"OutputMode.EveryN; got {output_return_period!r} with "
+                f"{_readable(output_mode)}")
+        return self._store("outputMode", output_mode=output_mode,
+                           output_return_period=output_return_period or 1)
+
+    def defaultOutputMode(self) -> bool:
+        """True while the output mode is ``OutputMode.Default``."""
+        return self.output_mode == OutputMode.Default
+
+    def randomSeed(self, random_seed: int) -> "Options":
+        """Seed of the random number generator of the model."""
+        _check_int("randomSeed", random_seed, minimum=0, below=2**64)
+        return self._store("randomSeed", random_seed=random_seed)
+
+    def connectionType(self, connection_type: ConnectionType) -> "Options":
+        """When to attach to the device: ``Always`` (default), ``OnDemand``
+        or ``Never`` (compile only; running raises)."""
+        _check_enum("connectionType", connection_type, ConnectionType)
+        return self._store("connectionType", connection_type=connection_type)
+
+    def useIpuModel(self, use_model: bool) -> "Options":
+        """Use the IPU Model instead of IPU hardware; takes precedence over
+        ``POPTORCH_IPU_MODEL``."""
+        _check_bool("useIpuModel", use_model)
+        if use_model and self.offline_ipu_version is not None:
+            raise Error("useIpuModel(True): the offline IPU target cannot be "
+                        "used if the IPU model is enabled, and "
+                        "useOfflineIpuTarget was called")
+        return self._store("useIpuModel", use_ipu_model=use_model)
+
+    def useIpuId(self, ipu_id: int) -> "Options":
+        """Use the IPU device with this id (as given by gc-info)."""
+        _check_int("useIpuId", ipu_id, minimum=0)
+        return self._store("useIpuId", ipu_id=ipu_id)
+
+    def useOfflineIpuTarget(self, ipu_version: int = 2) -> "Options":
+        """Target an offline IPU (1: Mk1, 2: Mk2, 21: Mk2 with FP8) for
+        offline compilation only; sets ``connectionType(Never)``."""
+        if isinstance(ipu_version, bool) or ipu_version not in _IPU_VERSIONS:
+            raise _invalid("useOfflineIpuTarget",
+                           "an IPU version in (1, 2, 21)", ipu_version)
+        if self.use_ipu_model:
+            raise Error("useOfflineIpuTarget: the offline IPU target cannot "
+                        "be used if the IPU model is enabled (useIpuModel or "
+                        "POPTORCH_IPU_MODEL=1)")
+        return self._store("useOfflineIpuTarget",
+                           offline_ipu_version=ipu_version,
+                           connection_type=ConnectionType.Never)
+
+    def broadcastBuffers(self, broadcast_buffers: bool = True) -> "Options":
+        """Broadcast buffers to all replicas; with False each replica keeps
+        its own buffers."""
+        _check_bool("broadcastBuffers", broadcast_buffers)
+        return self._store("broadcastBuffers",
+                           broadcast_buffers=broadcast_buffers)
+
+    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> "Options":
+        """Round the number of IPUs up to a power of 2 instead of raising."""
+        _check_bool("autoRoundNumIPUs", auto_round_num_ipus)
+        return self._store("autoRoundNumIPUs",
+                           auto_round_num_ipus=auto_round_num_ipus)
+
+    def setExecutionStrategy(self, strategy: Any) -> "Options":
+        """The execution strategy partitioning the graph (an instance of one
+        of the execution strategy classes)."""
+        return self._store("setExecutionStrategy", execution_strategy=strategy)
+
+    def inputReplicaGrouping(self, input_group_size: int,
+                             input_group_type: CommGroupType) -> "Options":
+        """Split input batches between groups of ``input_group_size``
+        replicas arranged as ``input_group_type`` (not
+        ``CommGroupType.All``)."""
+        _check_int("inputReplicaGrouping input_group_size", input_group_size,
+                   minimum=1)
+        allowed = tuple(member for member in CommGroupType
+                        if member != CommGroupType.All)
+        _check_enum("inputReplicaGrouping input_group_type", input_group_type,
+                    CommGroupType, allowed)
+        return self._store("inputReplicaGrouping",
+                           input_group_size=input_group_size,
+                           input_group_type=input_group_type)
+
+    def enableExecutableCaching(self, path: Optional[str]) -> "Options":
+        """Directory used as a cache of compiled executables; None disables
+        caching (also when ``POPTORCH_CACHE_DIR`` is set)."""
+        cache_dir = _path_or_none("enableExecutableCaching", path)
+        return self._store("enableExecutableCaching",
+                           executable_cache_dir=cache_dir)
+
+    def showCompilationProgressBar(self, show: bool = True) -> "Options":
+        """Show or hide a progress bar while compiling (shown by default)."""
+        _check_bool("showCompilationProgressBar", show)
+        return self._store("showCompilationProgressBar",
+                           show_compilation_progress_bar=show)
+
+    def disableModuleNamescope(self) -> "Options":
+        """Do not prefix operator names with the names of their modules."""
+        return self._store("disableModuleNamescope", module_namescope=False)
+
+    def sourceLocationExcludes(self, excludes: List[str]) -> "Options":
+        """Replace the strings that exclude frames from source locations."""
+        if not isinstance(excludes, (list, tuple)) or not all(
+                isinstance(item, str) for item in excludes):
+            raise _invalid("sourceLocationExcludes", "a list of str", excludes)
+        return self._store("sourceLocationExcludes",
+                           source_location_excludes=list(excludes))
+
+    def appendToLocationExcludes(self, *excludes: str) -> "Options":
+        """Append strings that exclude frames from source locations."""
+        for exclude in excludes:
+            _check_str("appendToLocationExcludes", exclude)
+        return self._store(
+            "appendToLocationExcludes",
+            source_location_excludes=self.source_location_excludes +
+            list(excludes))
+
+    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> "Options":
+        """Report unexpected optimizer attributes in setOptimizer() as debug
+        messages (True) instead of warnings."""
+        _check_bool("relaxOptimizerAttributesChecks", relax)
+        return self._store("relaxOptimizerAttributesChecks",
+                           relax_optimizer_attributes_checks=relax)
+
+    def anchorTensor(self, short_name: str, long_name: str,
+                     output_mode: Optional[OutputMode] = None,
+                     output_return_period: int = 1) -> "Options":
+        """Anchor the tensor ``long_name`` so that it can be read back as
+        ``short_name`` after a run; ``output_mode`` None uses the model's
+        output mode."""
+        _check_str("anchorTensor short_name", short_name)
+        _check_str("anchorTensor long_name", long_name)
+        if output_mode is not None:
+            _check_enum("anchorTensor output_mode", output_mode, OutputMode)
+        _check_int("anchorTensor output_return_period", output_return_period,
+                   minimum=1)
+        anchors = self.anchored_tensors
+        anchors[short_name] = (long_name, output_mode, output_return_period)
+        return self._store("anchorTensor", anchored_tensors=anchors)
+
+    def modelName(self, name: str) -> "Options":
+        """Name of the model (default 'inference' or 'training')."""
+        _check_str("modelName", name)
+        return self._store("modelName", model_name=name)
+
+    def logDir(self, log_dir: str) -> "Options":
+        """Directory where log files are saved."""
+        directory = _path_or_none("logDir", log_dir)
+        if directory is None:
+            raise _invalid("logDir", "a path (str or os.PathLike)", log_dir)
+        return self._store("logDir", log_dir=directory)
+
+    def maxRepeatLogs(self, max_lines: Optional[int]) -> "Options":
+        """Suppress often-repeated log lines after ``max_lines`` lines; None
+        shows them all (default 4)."""
+        if max_lines is not None:
+            _check_int("maxRepeatLogs", max_lines, minimum=0)
+        return self._store("maxRepeatLogs", max_repeat_logs=max_lines)
+
+    def enableProfiling(self, profile_dir: Optional[str] = None) -> "Options":
+        """Generate profiling reports in ``profile_dir`` (default: the
+        current directory)."""
+        directory = _path_or_none("enableProfiling", profile_dir)
+        return self._store("enableProfiling", profile_dir=directory or ".")
+
+    def logCycleCount(self, log_cycle_count: bool) -> "Options":
+        """Log the number of IPU cycles used by the main graph."""
+        _check_bool("logCycleCount", log_cycle_count)
+        return self._store("logCycleCount", log_cycle_count=log_cycle_count)
+
+    def enableStableNorm(self, enabled: bool) -> "Options":
+        """Use the slower but more accurate stable norm operators."""
+        _check_bool("enableStableNorm", enabled)
+        return self._store("enableStableNorm", stable_norm=enabled)
+
+    def enableSyntheticData(self, enabled: bool) -> "Options":
+        """Disable host I/O and generate random input data on the device."""
+        _check_bool("enableSyntheticData", enabled)
+        return self._store("enableSyntheticData", synthetic_data=enabled)
+
+    def syncPattern(self, sync_pattern: SyncPattern) -> "Options":
+        """Synchronisation between IPUs and the host."""
+        _check_enum("syncPattern", sync_pattern, SyncPattern)
+        return self._store("syncPattern", sync_pattern=sync_pattern)
+
+    def setAvailableMemoryProportion(
+            self, available_memory_proportion: Dict[str, float]) -> "Options":
+        """Temporary memory available per IPU, as ``{"IPU<n>": proportion}``
+        with proportions between 0 and 1."""
+        option = "setAvailableMemoryProportion"
+        if not isinstance(available_memory_proportion, dict):
+            raise _invalid(option, 'a dict such as {"IPU0": 0.5}',
+                           available_memory_proportion)
+        for ipu, proportion in available_memory_proportion.items():
+            if not isinstance(ipu, str) or not _IPU_NAME.fullmatch(ipu):
+                raise _invalid(f"{option} key", '"IPU<n>" such as "IPU0"', ipu)
+            if (isinstance(proportion, bool)
+                    or not isinstance(proportion, (int, float))
+                    or not 0.0 <= proportion <= 1.0):
+                raise _invalid(f"{option} value for {ipu}",
+                               "a float between 0 and 1", proportion)
+        return self._store(option, available_memory_proportion={
+            ipu: float(proportion)
+            for ipu, proportion in available_memory_proportion.items()})
+
+    # Whole-object operations -----------------------------------------------
+
+    def loadFromFile(self, filepath: str) -> "Options":
+        """Apply a config file with one option call per line, written as in
+        Python without the ``options.`` prefix (``deviceIterations(4)``).
+        The file is parsed, never executed; if any line is rejected the
+        options are left unchanged."""
+        if self._frozen:
+            raise _frozen_error("loadFromFile")
+        self._apply_atomically(
+            config_file.read_config_file(filepath, _VOCABULARY))
+        return self
+
+    def _apply_atomically(self, calls: List[config_file.OptionCall]) -> None:
+        components = [self, *self._children()]
+        saved = [dict(component._values) for component in components]
+        try:
+            config_file.apply_calls(self, calls)
+        except Error:
+            for component, values in zip(components, saved):
+                component._values = values
+            raise
+
+    def clone(self) -> "Options":
+        """An unfrozen deep copy of these options."""
+        return copy.deepcopy(self)
+
+    def _freeze(self) -> None:
+        """Forbid changes from now on (called when the options are given to
+        a model or a DataLoader)."""
+        self._set_frozen(True)
+
+
+_VOCABULARY = config_file.Vocabulary(
+    option_paths=frozenset(
+        path for path in OPTION_EFFECTS
+        if not path.startswith("TensorLocationSettings.")),
+    settings_class=TensorLocationSettings,
+    settings_methods=frozenset(
+        path.split(".", 1)[1] for path in OPTION_EFFECTS
+        if path.startswith("TensorLocationSettings.")))

@@ -1,0 +1,104 @@
+"""Shared models, data and the plain-PyTorch reference loop."""
+import copy
+
+import pytest
+import torch
+
+import poptorch
+
+
+class ClassifierMLP(torch.nn.Module):
+    """A small MLP that computes its loss in forward when labels are given."""
+
+    def __init__(self, features=4, hidden=8, classes=3):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(features, hidden)
+        self.fc2 = torch.nn.Linear(hidden, classes)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def forward(self, x, y=None):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        if y is None:
+            return out
+        return out, self.loss(out, y)
+
+
+class BatchNormNet(torch.nn.Module):
+    """A small CNN with BatchNorm (buffers written in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 3, 3)
+        self.bn = torch.nn.BatchNorm2d(3)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x, y):
+        h = torch.relu(self.bn(self.conv(x)))
+        out = self.fc(h.flatten(1))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def make_data(rows, features=4, classes=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, features, generator=generator)
+    y = torch.randint(0, classes, (rows,), generator=generator)
+    return x, y
+
+
+def make_images(rows, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 1, 6, 6, generator=generator)
+    y = torch.randint(0, 2, (rows,), generator=generator)
+    return x, y
+
+
+def reference_training(model, optimizer, inputs, device_iterations=1,
+                       accumulation=1, replicas=1, mean=True):
+    """Plain PyTorch doing what one call of a training model does: the call's
+    data is [D, G, R, S]; per device iteration, G x R micro-batch backward
+    passes (loss divided by G x R for Mean) then one optimizer step.
+    Returns the losses of every micro-batch in [D, G, R] order."""
+    micro = accumulation * replicas
+    splits = [t.unflatten(0, (device_iterations, accumulation, replicas, -1))
+              for t in inputs]
+    losses = []
+    for d in range(device_iterations):
+        optimizer.zero_grad()
+        for g in range(accumulation):
+            for r in range(replicas):
+                _, loss = model(*[s[d, g, r] for s in splits])
+                (loss / micro if mean else loss).backward()
+                losses.append(loss.detach())
+        optimizer.step()
+    return torch.stack(losses)
+
+
+def assert_same_weights(module_a, module_b, atol=1e-6):
+    state_a, state_b = module_a.state_dict(), module_b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:
+        torch.testing.assert_close(state_a[name], state_b[name], atol=atol,
+                                   rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return ClassifierMLP()
+
+
+@pytest.fixture
+def twin(mlp):
+    """An identical copy of the ``mlp`` fixture for reference runs."""
+    return copy.deepcopy(mlp)
+
+
+def options(device_iterations=1, accumulation=1, replicas=1, **extra):
+    opts = poptorch.Options()
+    opts.deviceIterations(device_iterations)
+    opts.replicationFactor(replicas)
+    opts.Training.gradientAccumulation(accumulation)
+    for name, value in extra.items():
+        args = value if isinstance(value, tuple) else (value,)
+        getattr(opts, name)(*args)
+    return opts

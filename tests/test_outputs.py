@@ -1,0 +1,98 @@
+"""Output modes, shapes and structures (semantics.md, "What a call
+returns")."""
+import pytest
+import torch
+
+import poptorch
+from conftest import make_data, options
+
+
+def micro_outputs(module, x, device_iterations, replicas):
+    """The module's output for every micro-batch, in [D, R] order."""
+    split = x.unflatten(0, (device_iterations, replicas, -1))
+    return [module(split[d, r]) for d in range(device_iterations)
+            for r in range(replicas)]
+
+
+def test_inference_all_returns_every_micro_batch(mlp):
+    x, _ = make_data(2 * 3 * 2)
+    model = poptorch.inferenceModel(mlp, options(3, replicas=2))
+    expected = torch.cat(micro_outputs(mlp, x, 3, 2))
+    torch.testing.assert_close(model(x), expected)
+    assert model(x).shape == (12, 3)
+
+
+def test_inference_final_returns_last_iteration_per_replica(mlp):
+    x, _ = make_data(2 * 3 * 2)
+    model = poptorch.inferenceModel(
+        mlp, options(3, replicas=2, outputMode=poptorch.OutputMode.Final))
+    expected = torch.cat(micro_outputs(mlp, x, 3, 2)[-2:])
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_inference_final_with_one_replica_keeps_model_shape(mlp):
+    x, _ = make_data(2 * 3)
+    model = poptorch.inferenceModel(
+        mlp, options(3, outputMode=poptorch.OutputMode.Final))
+    torch.testing.assert_close(model(x), mlp(x[4:]))
+
+
+def test_inference_sum_adds_iterations_per_replica(mlp):
+    x, _ = make_data(2 * 4 * 2)
+    model = poptorch.inferenceModel(
+        mlp, options(4, replicas=2, outputMode=poptorch.OutputMode.Sum))
+    outs = micro_outputs(mlp, x, 4, 2)
+    expected = torch.cat([sum(outs[0::2]), sum(outs[1::2])])
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_inference_every_n_returns_iterations_n_minus_1_2n_minus_1(mlp):
+    x, _ = make_data(2 * 6)
+    model = poptorch.inferenceModel(
+        mlp, options(6, outputMode=(poptorch.OutputMode.EveryN, 3)))
+    outs = micro_outputs(mlp, x, 6, 1)
+    torch.testing.assert_close(model(x), torch.cat([outs[2], outs[5]]))
+
+
+def test_training_default_returns_final_loss(mlp):
+    x, y = make_data(2 * 3)
+    model = poptorch.trainingModel(mlp, options(3),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.0))
+    out, loss = model(x, y)
+    assert out.shape == (2, 3) and loss.shape == ()
+    expected_out, expected_loss = mlp(x[4:], y[4:])
+    torch.testing.assert_close(loss, expected_loss.detach())
+    torch.testing.assert_close(out, expected_out.detach())
+
+
+def test_training_all_makes_scalar_losses_one_dimensional(mlp):
+    x, y = make_data(2 * 2 * 3)
+    model = poptorch.trainingModel(
+        mlp, options(2, 3, outputMode=poptorch.OutputMode.All),
+        torch.optim.SGD(mlp.parameters(), lr=0.0))
+    out, loss = model(x, y)
+    assert out.shape == (12, 3) and loss.shape == (6,)
+    expected = [mlp(x[i:i + 2], y[i:i + 2])[1] for i in range(0, 12, 2)]
+    torch.testing.assert_close(loss, torch.stack(expected).detach())
+
+
+def test_outputs_keep_the_model_structure():
+    class Structured(torch.nn.Module):
+        def forward(self, x):
+            doubled = x * 2
+            return {"b": (doubled, [x + 1]), "a": doubled, "n": 3}
+
+    x = torch.arange(8.0).reshape(4, 2)
+    out = poptorch.inferenceModel(Structured(), options(2))(x)
+    assert list(out) == ["b", "a", "n"]
+    torch.testing.assert_close(out["b"][0], x * 2)
+    torch.testing.assert_close(out["b"][1][0], x + 1)
+    torch.testing.assert_close(out["a"], x * 2)
+    assert out["n"] == 3
+
+
+def test_every_n_needs_a_dividing_period(mlp):
+    model = poptorch.inferenceModel(
+        mlp, options(4, outputMode=(poptorch.OutputMode.EveryN, 3)))
+    with pytest.raises(poptorch.Error, match="multiple of 3"):
+        model(make_data(8)[0])

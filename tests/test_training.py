@@ -1,0 +1,172 @@
+"""Training models compute the same weights as plain PyTorch doing the same
+D x G x R steps (semantics.md, "One call of a wrapped model")."""
+import copy
+
+import pytest
+import torch
+
+import poptorch
+from conftest import (BatchNormNet, assert_same_weights, make_data,
+                      make_images, options, reference_training)
+
+
+@pytest.mark.parametrize("device_iterations,accumulation,replicas", [
+    (1, 1, 1), (3, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)])
+@pytest.mark.parametrize("reduction", [poptorch.ReductionType.Mean,
+                                       poptorch.ReductionType.Sum])
+def test_weights_match_plain_pytorch_loop(mlp, twin, device_iterations,
+                                          accumulation, replicas, reduction):
+    opts = options(device_iterations, accumulation, replicas)
+    opts.Training.accumulationAndReplicationReductionType(reduction)
+    model = poptorch.trainingModel(
+        mlp, opts, torch.optim.SGD(mlp.parameters(), lr=0.05, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    rows = 2 * device_iterations * accumulation * replicas
+    for call in range(3):
+        x, y = make_data(rows, seed=call)
+        model(x, y)
+        reference_training(twin, reference, (x, y), device_iterations,
+                           accumulation, replicas,
+                           mean=reduction == poptorch.ReductionType.Mean)
+    assert_same_weights(mlp, twin)
+
+
+def test_sum_reduction_scales_like_lr(mlp):
+    """Sum with G = 2 and lr 0.01 equals G = 1 with lr 0.02 on the mean of
+    the same micro-batch losses' gradients (semantics.md)."""
+    twin = copy.deepcopy(mlp)
+    x, y = make_data(8)
+    opts = options(1, 2)
+    opts.Training.accumulationAndReplicationReductionType(
+        poptorch.ReductionType.Sum)
+    summed = poptorch.trainingModel(mlp, opts,
+                                    torch.optim.SGD(mlp.parameters(), lr=0.01))
+    summed(x, y)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.02)
+    reference_training(twin, reference, (x, y), 1, 2, 1, mean=True)
+    assert_same_weights(mlp, twin)
+
+
+def test_batchnorm_buffers_update_on_every_micro_batch():
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(2, 3), torch.optim.SGD(net.parameters(), lr=0.1))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for call in range(2):
+        x, y = make_images(2 * 2 * 3, seed=call)
+        model(x, y)
+        reference_training(twin, reference, (x, y), 2, 3)
+    assert_same_weights(net, twin)
+    assert int(net.bn.num_batches_tracked) == 12
+
+
+def test_ten_iterations_once_equal_five_twice(mlp):
+    twin = copy.deepcopy(mlp)
+    x, y = make_data(20)
+    poptorch.trainingModel(mlp, options(10))(x, y)
+    model = poptorch.trainingModel(twin, options(5))
+    model(x[:10], y[:10])
+    model(x[10:], y[10:])
+    assert_same_weights(mlp, twin)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1,
+                              nesterov=False, weight_decay=0.01),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+    lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.8, 0.9)),
+    lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
+], ids=["sgd", "nesterov", "adam", "amsgrad", "adamw", "rmsprop"])
+def test_torch_optimizers_match_their_step(mlp, twin, make_optimizer):
+    model = poptorch.trainingModel(mlp, options(3, 2),
+                                   make_optimizer(mlp.parameters()))
+    reference = make_optimizer(twin.parameters())
+    for call in range(3):
+        x, y = make_data(12, seed=call)
+        model(x, y)
+        reference_training(twin, reference, (x, y), 3, 2)
+    assert_same_weights(mlp, twin, atol=1e-5)
+
+
+def test_param_groups_keep_their_own_hyper_parameters(mlp, twin):
+    def make(module):
+        return torch.optim.SGD([
+            {"params": module.fc1.parameters(), "lr": 0.1},
+            {"params": module.fc2.parameters(), "lr": 0.01, "momentum": 0.5},
+        ], lr=0.05)
+    model = poptorch.trainingModel(mlp, options(2), make(mlp))
+    reference = make(twin)
+    x, y = make_data(8)
+    model(x, y)
+    reference_training(twin, reference, (x, y), 2)
+    assert_same_weights(mlp, twin)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+def test_set_optimizer_applies_lr_scheduler_without_recompiling(mlp, twin):
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    model = poptorch.trainingModel(mlp, options(2), optimizer)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference, 1, 0.5)
+    for call in range(3):
+        x, y = make_data(4, seed=call)
+        model(x, y)
+        scheduler.step()
+        model.setOptimizer(optimizer)
+        reference_training(twin, reference, (x, y), 2)
+        reference_scheduler.step()
+    graphs = model._graphs
+    assert_same_weights(mlp, twin)
+    assert model._graphs is graphs
+
+
+def test_default_optimizer_is_sgd_with_lr_0_01(mlp, twin):
+    x, y = make_data(4)
+    poptorch.trainingModel(mlp)(x, y)
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.01),
+                       (x, y))
+    assert_same_weights(mlp, twin)
+
+
+def test_parameters_without_grad_are_not_updated(mlp, twin):
+    mlp.fc1.weight.requires_grad_(False)
+    twin.fc1.weight.requires_grad_(False)
+    x, y = make_data(4)
+    poptorch.trainingModel(mlp, options(), torch.optim.SGD(
+        mlp.parameters(), lr=0.1))(x, y)
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       (x, y))
+    assert_same_weights(mlp, twin)
+    assert not mlp.fc1.weight.requires_grad
+
+
+def test_dropout_is_random_per_call_and_reproducible_with_seed():
+    class DropoutNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            out = torch.nn.functional.dropout(self.fc(x), 0.5, True)
+            return out, poptorch.identity_loss(out.sum(), "none")
+
+    def run(seed):
+        torch.manual_seed(0)
+        net = DropoutNet()
+        model = poptorch.trainingModel(
+            net, options(randomSeed=seed, outputMode=poptorch.OutputMode.All),
+            torch.optim.SGD(net.parameters(), lr=0.0))
+        x = torch.ones(2, 16)
+        return model(x)[0], model(x)[0]
+
+    first, second = run(7)
+    assert not torch.equal(first, second)
+    assert torch.equal(run(7)[0], first)
+    assert not torch.equal(run(8)[0], first)
+    kept = (first != 0).float().mean().item()
+    assert 0.3 < kept < 0.7
