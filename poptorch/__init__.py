@@ -17,3 +17,13 @@ from ._impl.executor import PoplarExecutor
 from ._impl.logger import setLogLevel
 from ._impl.losses import identity_loss
 from ._impl.model_wrapping import inferenceModel, trainingModel
+from . import optim, profiling
+from ._impl.blocks import BeginBlock, Block, BlockFunction, NameScope, removeBlocks
+from ._impl.ops import (CPU, MultiConv, ctc_beam_search_decoder, custom_op,
+                        dynamic_slice, for_loop, ipu_print_tensor, nop,
+                        recomputationCheckpoint, serializedMatMul,
+                        set_available_memory, set_overlap_for_input,
+                        set_overlap_for_output)
+from ._impl.strategies import (ParallelPhasedExecution, Phase,
+                               PipelinedExecution, SerialPhasedExecution,
+                               ShardedExecution, Stage)

@@ -1,10 +1,12 @@
 """Shared models, data and the plain-PyTorch reference loop."""
 import copy
+import logging
 
 import pytest
 import torch
 
 import poptorch
+from poptorch._impl import logger as logger_module
 
 
 class ClassifierMLP(torch.nn.Module):
@@ -102,3 +104,14 @@ def options(device_iterations=1, accumulation=1, replicas=1, **extra):
         args = value if isinstance(value, tuple) else (value,)
         getattr(opts, name)(*args)
     return opts
+
+
+@pytest.fixture
+def poptorch_log(caplog, monkeypatch):
+    """INFO records of the poptorch logger (which does not propagate), with
+    the log-once memory emptied."""
+    monkeypatch.setattr(logger_module, "_said_once", set())
+    caplog.set_level(logging.INFO, logger="poptorch")
+    logger_module.logger.addHandler(caplog.handler)
+    yield caplog
+    logger_module.logger.removeHandler(caplog.handler)

@@ -11,7 +11,6 @@ import pickle
 import pytest
 import torch
 
-from poptorch._impl import logger as logger_module
 from poptorch.enums import (CommGroupType, ConnectionType,
                             HalfFloatCastingBehavior, MeanReductionStrategy,
                             OutputMode, ReductionType, SyncPattern)
@@ -124,17 +123,6 @@ def _method(opts, path):
 
 def _call(opts, path):
     return _method(opts, path)(*EXAMPLE_CALLS[path])
-
-
-@pytest.fixture
-def poptorch_log(caplog, monkeypatch):
-    """INFO records of the poptorch logger (which does not propagate), with
-    the log-once memory emptied."""
-    monkeypatch.setattr(logger_module, "_said_once", set())
-    caplog.set_level(logging.INFO, logger="poptorch")
-    logger_module.logger.addHandler(caplog.handler)
-    yield caplog
-    logger_module.logger.removeHandler(caplog.handler)
 
 
 # --- Defaults and chaining ---

@@ -106,7 +106,7 @@ def test_param_groups_keep_their_own_hyper_parameters(mlp, twin):
     assert_same_weights(mlp, twin)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_set_optimizer_applies_lr_scheduler_without_recompiling(mlp, twin):
     optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
@@ -170,3 +170,33 @@ def test_dropout_is_random_per_call_and_reproducible_with_seed():
     assert not torch.equal(run(8)[0], first)
     kept = (first != 0).float().mean().item()
     assert 0.3 < kept < 0.7
+
+
+def test_user_autograd_function_trains_with_its_own_backward():
+    class ScaledGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 0.5
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            out = ScaledGradient.apply(self.fc(x))
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+    torch.manual_seed(0)
+    net = Net()
+    twin = copy.deepcopy(net)
+    x, y = make_data(8)
+    poptorch.trainingModel(net, options(2), torch.optim.SGD(
+        net.parameters(), lr=0.1))(x, y)
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       (x, y), 2)
+    assert_same_weights(net, twin)

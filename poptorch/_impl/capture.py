@@ -1,27 +1,27 @@
 """Capturing a model once into static graphs of tensor operations.
 
 Everything is traced with ``make_fx`` in fake mode (no real computation, no
-side effects) over ``torch.func.functionalize``, so each graph is a pure
-function of explicit inputs:
+side effects), so each graph is a function of explicit inputs:
 
 * an analysis trace of the forward pass finds the output structure, the
   buffers and inputs the model writes to, and (for training) the final loss;
 * the inference step maps (parameters, buffers, micro-batch) to (written
   buffers, outputs);
-* the training step is forward + loss + backward (``torch.func.grad_and_value``
-  over ``torch.func.functional_call``) + gradient reduction + the optimizer's
-  pure-tensor update, mapping (parameters, buffers, optimizer state,
-  hyper-parameters, micro-batch) to their new values and the outputs. With
-  gradient accumulation or replicas a second "accumulate" graph adds one
-  micro-batch's gradients to a running sum.
+* the training step (``training_step.py``) is forward + loss + backward
+  (``torch.autograd.grad``, traced like AOTAutograd's joint graphs, so user
+  ``autograd.Function``s work) + gradient reduction + the optimizer's
+  pure-tensor update.
 
+Buffers the model writes are cloned inside the step and returned, so a step
+never changes its state inputs: the device loop rebinds the returned tensors.
 Writes that ``forward`` makes to its input tensors stay in the graphs as
-``copy_`` into those inputs, so they reach the caller. Nodes carry
+in-place operations on those inputs, so they reach the caller. Nodes carry
 ``torch.fx.traceback`` metadata (annotations such as blocks).
 """
 import contextlib
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+import operator
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -69,9 +69,8 @@ def capture_scope(module: torch.nn.Module,
 
 def trace(fn: Callable, example_inputs: Sequence[torch.Tensor]
           ) -> torch.fx.GraphModule:
-    """A pure graph of ``fn`` over flat tensor inputs."""
-    functional = torch.func.functionalize(fn, remove="mutations")
-    graph_module = make_fx(functional, tracing_mode="fake")(*example_inputs)
+    """A graph of ``fn`` over flat tensor inputs."""
+    graph_module = make_fx(fn, tracing_mode="fake")(*example_inputs)
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
     return graph_module
@@ -115,13 +114,51 @@ def _placeholders(graph: torch.fx.Graph) -> List[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+def _schema_arguments(node: torch.fx.Node):
+    """(argument schema, value) pairs of an operator call node."""
+    schema = node.target._schema
+    for index, argument in enumerate(schema.arguments):
+        if index < len(node.args):
+            yield argument, node.args[index]
+        elif argument.name in node.kwargs:
+            yield argument, node.kwargs[argument.name]
+
+
+def _nodes_in(value) -> List[torch.fx.Node]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, torch.fx.Node)]
+
+
 def _written_placeholders(graph: torch.fx.Graph) -> List[int]:
-    """Indices of inputs the graph writes to (``copy_`` into a placeholder)."""
-    index = {node: i for i, node in enumerate(_placeholders(graph))}
-    return sorted({index[n.args[0]] for n in graph.nodes
-                   if n.op == "call_function"
-                   and n.target is torch.ops.aten.copy_.default
-                   and n.args[0] in index})
+    """Indices of the inputs the graph writes to, directly or through views,
+    read from the operators' schemas (``Tensor(a!)`` arguments)."""
+    root = {node: i for i, node in enumerate(_placeholders(graph))}
+    written = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            if node.args[0] in root:
+                root[node] = root[node.args[0]]
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        alias_roots = {}
+        for argument, value in _schema_arguments(node):
+            info = argument.alias_info
+            if info is None:
+                continue
+            for arg_node in _nodes_in(value):
+                if arg_node in root:
+                    written.update([root[arg_node]] if info.is_write else [])
+                    alias_roots.update(dict.fromkeys(info.before_set,
+                                                     root[arg_node]))
+        for returned in node.target._schema.returns:
+            if returned.alias_info is not None:
+                for alias in returned.alias_info.before_set:
+                    if alias in alias_roots:
+                        root[node] = alias_roots[alias]
+    return sorted(written)
 
 
 def _descendants(node: torch.fx.Node) -> set:

@@ -1,7 +1,7 @@
 """The model's state on its device: parameters, buffers (one set per replica
 when replicas keep their own buffers) and optimizer state. Copies to and from
 the user's module go through here."""
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 

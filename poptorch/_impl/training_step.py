@@ -1,9 +1,10 @@
-"""The pure training step: forward, loss, backward, gradient reduction and the
-optimizer's update, built for capture by ``capture.trace``.
+"""The pure training step: forward, loss, backward (``torch.autograd.grad``
+traced into the graph), gradient reduction and the optimizer's update, built for capture by ``capture.trace``.
 
 Flat inputs, in order: trainable parameters (those the optimizer updates and
 the final loss depends on), the other parameters, buffers, optimizer state,
-hyper-parameters (0-d tensors, so new values need no new capture), the
+hyper-parameters (0-d float64 tensors, so new values need no new capture
+and the scalar maths matches torch.optim's Python doubles), the
 running gradient sum (accumulating variants only), the micro-batch.
 Outputs: new trainable parameters, written buffers, new optimizer state and the
 model's output tensors — or, for the accumulate variant, written buffers, the
@@ -80,7 +81,7 @@ class TrainingLayout:
     def hyper_values(self, plan: OptimizerPlan,
                      device: torch.device) -> List[torch.Tensor]:
         return [torch.tensor(float(plan.groups[g.plan_index].hyper[name]),
-                             dtype=torch.float32, device=device)
+                             dtype=torch.float64, device=device)
                 for g in self.groups for name in g.rule.hyper_names]
 
     def unflatten_state(self, flat: Sequence[torch.Tensor]
@@ -157,7 +158,8 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
         trainable, frozen, buffers, state, hyper, running, inputs = split_flat(
             flat, sizes)
 
-        def objective(trainable, buffers, inputs):
+        trainable = [t.detach().requires_grad_() for t in trainable]
+        with torch.enable_grad():
             buffers = clone_written(buffers, analysis.written_buffers)
             with losses.LossRecorder() as recorder:
                 output = call(merge(trainable, frozen), buffers, inputs)
@@ -165,12 +167,12 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             value = loss if loss.dim() == 0 else loss.sum()
             if settings.loss_scaling != 1.0:
                 value = value * settings.loss_scaling
-            written = [buffers[i] for i in analysis.written_buffers]
-            return value, (tensor_outputs(output), written)
-
-        grads, (_, (outputs, written)) = torch.func.grad_and_value(
-            objective, has_aux=True)(trainable, buffers, inputs)
-        grads, outputs, written = list(grads), list(outputs), list(written)
+            grads = torch.autograd.grad(value, trainable, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g
+                 for p, g in zip(trainable, grads)]
+        outputs = [t.detach() for t in tensor_outputs(output)]
+        written = [buffers[i] for i in analysis.written_buffers]
+        trainable = [t.detach() for t in trainable]
         if accumulated:
             grads = list(torch._foreach_add(running, grads))
         if not update:

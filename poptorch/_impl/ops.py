@@ -1,0 +1,525 @@
+"""PopTorch ops (API reference 11.3) on ordinary PyTorch devices.
+
+``ipu_print_tensor``, ``nop`` and ``recomputationCheckpoint`` are identity
+custom ops of the ``poptorch`` namespace (``torch.ops.poptorch.*``): a
+traced graph keeps each as one node, and they differentiate in eager mode,
+when a traced graph is replayed under autograd, and under ``torch.func``
+transforms. The IPU tuning knobs (``set_available_memory``,
+``set_overlap_for_input``/``output``, ``MultiConv``) validate their
+arguments and say once, at INFO, that they have no effect here.
+"""
+import functools
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ..enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
+from ..errors import Error
+from .logger import info_once
+
+
+def _check_tensor(function: str, argument: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise Error(f"{function}: {argument} must be a torch.Tensor, not "
+                    f"{type(value).__name__}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_count(function: str, argument: str, value, minimum: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) \
+            and value >= minimum:
+        return value
+    raise Error(f"{function}: {argument} must be an integer >= {minimum}, "
+                f"not {value!r}")
+
+
+def _define_identity_op(name: str, schema: str,
+                        effect: Callable[..., None],
+                        gradient: Callable[..., torch.Tensor]):
+    """Define ``poptorch::<name>``, which runs ``effect(tensor, *args)`` and
+    returns a copy of ``tensor``; under autograd its backward is
+    ``gradient(grad, *args)``."""
+
+    def implementation(tensor, *args):
+        effect(tensor, *args)
+        return tensor.clone()
+
+    op = torch.library.custom_op(f"poptorch::{name}", implementation,
+                                 mutates_args=(), schema=schema)
+    op.register_fake(lambda tensor, *args: torch.empty_like(tensor))
+
+    def setup_context(ctx, inputs, output):
+        ctx.arguments = inputs[1:]
+
+    def backward(ctx, grad):
+        return (gradient(grad, *ctx.arguments),) + (None,) * len(ctx.arguments)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+def _apply_identity_op(op, tensor: torch.Tensor, *args) -> torch.Tensor:
+    """``op(tensor, *args)``; when a gradient must flow through, the op is
+    applied to the detached tensor and joined to it by an exact identity
+    (``where`` with an all-true mask). That form differentiates under
+    ``torch.func`` transforms too, which refuse the autograd formulas of
+    custom ops and ``autograd.Function``s when functionalizing."""
+    if not (torch.is_grad_enabled() and tensor.requires_grad):
+        return op(tensor, *args)
+    keep = torch.ones_like(tensor, dtype=torch.bool)
+    return torch.where(keep, tensor, op(tensor.detach(), *args))
+
+
+def _print_with_title(tensor: torch.Tensor, title: str) -> None:
+    value = tensor.detach()
+    print(f"{title}: {value}" if title else str(value), flush=True)
+
+
+def _gradient_title(title: str) -> str:
+    return f"{title}_gradient" if title else "gradient"
+
+
+def _print_gradient(title: str, grad: torch.Tensor) -> torch.Tensor:
+    return _apply_identity_op(_print_op, grad, _gradient_title(title))
+
+
+def _pass_gradient(grad: torch.Tensor, *args) -> torch.Tensor:
+    return grad
+
+
+def _do_nothing(tensor: torch.Tensor, *args) -> None:
+    return None
+
+
+_print_op = _define_identity_op(
+    "ipu_print_tensor", "(Tensor tensor, str title) -> Tensor",
+    _print_with_title, lambda grad, title: _print_gradient(title, grad))
+_nop_op = _define_identity_op("nop", "(Tensor tensor) -> Tensor",
+                              _do_nothing, _pass_gradient)
+_checkpoint_op = _define_identity_op("recomputation_checkpoint",
+                                     "(Tensor tensor) -> Tensor",
+                                     _do_nothing, _pass_gradient)
+
+
+def ipu_print_tensor(tensor: torch.Tensor, title: str = "") -> torch.Tensor:
+    """Print the value of ``tensor`` (after ``title``) each time the op runs,
+    and its gradient (after ``title + "_gradient"``) in the backward pass.
+
+    The op is an identity: use the tensor it returns in place of the
+    original, otherwise the print is optimised away with the unused
+    result.
+    """
+    _check_tensor("ipu_print_tensor", "tensor", tensor)
+    if not isinstance(title, str):
+        raise Error(f"ipu_print_tensor: title must be a string, not "
+                    f"{type(title).__name__}")
+    printed = _apply_identity_op(_print_op, tensor, title)
+    if printed.requires_grad:
+        printed.register_hook(functools.partial(_print_gradient, title))
+    return printed
+
+
+def nop(tensor: torch.Tensor) -> torch.Tensor:
+    """A no-operation: an identity that stays in the traced graph as its own
+    node (``torch.ops.poptorch.nop``) instead of being folded away; useful
+    for debugging."""
+    _check_tensor("nop", "tensor", tensor)
+    return _apply_identity_op(_nop_op, tensor)
+
+
+def recomputationCheckpoint(*tensors: torch.Tensor
+                            ) -> Union[torch.Tensor, List[torch.Tensor]]:
+    """Mark values to keep between the forward and backward passes when
+    recomputation is enabled.
+
+    Returns the tensors (the same number and shapes): a tensor for a single
+    tensor argument, else a list. Each goes through the op
+    ``torch.ops.poptorch.recomputation_checkpoint`` so that a recomputation
+    pass can find it; values are unchanged.
+    """
+    given_a_list = len(tensors) == 1 and isinstance(tensors[0], (list, tuple))
+    if given_a_list:
+        tensors = tuple(tensors[0])
+    if not tensors:
+        raise Error("recomputationCheckpoint needs at least one tensor")
+    for position, tensor in enumerate(tensors):
+        _check_tensor("recomputationCheckpoint", f"tensor {position}", tensor)
+    info_once("recomputationCheckpoint: recomputation is not applied on this "
+              "device yet; the checkpoints are kept in the graph and values "
+              "are unaffected")
+    checkpointed = [_apply_identity_op(_checkpoint_op, tensor)
+                    for tensor in tensors]
+    return checkpointed if given_a_list or len(checkpointed) > 1 \
+        else checkpointed[0]
+
+
+def set_available_memory(tensor: torch.Tensor,
+                         available_memory_proportion: float) -> torch.Tensor:
+    """Set the proportion (0 to 1) of tile memory the operation producing
+    ``tensor`` may use for temporary data. An IPU tuning knob: validated,
+    without effect here. Returns ``tensor``."""
+    _check_tensor("set_available_memory", "tensor", tensor)
+    if not _is_number(available_memory_proportion) \
+            or not 0.0 <= available_memory_proportion <= 1.0:
+        raise Error("set_available_memory: available_memory_proportion must "
+                    "be a number between 0.0 and 1.0, not "
+                    f"{available_memory_proportion!r}")
+    info_once("set_available_memory is accepted but has no effect on this "
+              "device")
+    return tensor
+
+
+def _set_overlap(function: str, argument: str, tensors, mode: OverlapMode):
+    if not isinstance(mode, OverlapMode):
+        raise Error(f"{function}: mode must be a poptorch.OverlapMode "
+                    f"({', '.join(OverlapMode.__members__)}), not {mode!r}")
+    for leaf in pytree.tree_leaves(tensors):
+        if not isinstance(leaf, torch.Tensor):
+            raise Error(f"{function}: {argument} must be a tensor or tuples, "
+                        "lists and dicts of tensors; found "
+                        f"{type(leaf).__name__} {leaf!r}")
+    info_once(f"{function} is accepted but has no effect on this device")
+    return tensors
+
+
+def set_overlap_for_input(input_tensors, mode: OverlapMode):
+    """Set how the host-to-device copy of ``input_tensors`` (a tensor, or
+    tuples, lists and dicts of tensors) overlaps computation. An IPU tuning
+    knob: validated, without effect here. Returns ``input_tensors``."""
+    return _set_overlap("set_overlap_for_input", "input_tensors",
+                        input_tensors, mode)
+
+
+def set_overlap_for_output(output_tensors, mode: OverlapMode):
+    """Set how the device-to-host copy of ``output_tensors`` (a tensor, or
+    tuples, lists and dicts of tensors) overlaps computation. An IPU tuning
+    knob: validated, without effect here. Returns ``output_tensors``."""
+    return _set_overlap("set_overlap_for_output", "output_tensors",
+                        output_tensors, mode)
+
+
+_SERIALIZED_DIMENSIONS = {
+    MatMulSerializationMode.InputChannels: ("input channels (dimension m)",
+                                            "lhs", -2),
+    MatMulSerializationMode.ReducingDim: ("reducing dimension (dimension n)",
+                                          "lhs", -1),
+    MatMulSerializationMode.OutputChannels: ("output channels (dimension p)",
+                                             "rhs", -1),
+}
+
+
+def _check_matmul_operands(lhs: torch.Tensor, rhs: torch.Tensor) -> None:
+    _check_tensor("serializedMatMul", "lhs", lhs)
+    _check_tensor("serializedMatMul", "rhs", rhs)
+    if lhs.dim() < 2 or rhs.dim() < 2 or lhs.shape[-1] != rhs.shape[-2]:
+        raise Error("serializedMatMul: lhs (..., m, n) and rhs (..., n, p) "
+                    "must be matrices with matching n; got shapes "
+                    f"{tuple(lhs.shape)} and {tuple(rhs.shape)}")
+
+
+def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor,
+                     mode: MatMulSerializationMode, factor: int = 0,
+                     keep_precision: bool = False) -> torch.Tensor:
+    """``lhs @ rhs`` computed as ``factor`` smaller multiplications, one
+    after the other, split along the dimension ``mode`` names (for lhs
+    m x n and rhs n x p): ``InputChannels`` m, ``ReducingDim`` n (the partial
+    products are summed), ``OutputChannels`` p, or ``Disabled`` (a plain
+    matmul). ``factor`` must divide that dimension.
+
+    With float16 inputs and ``keep_precision=True``, the additions of the
+    ``ReducingDim`` forward pass and of the ``InputChannels`` backward pass
+    happen in float32.
+    """
+    if not isinstance(mode, MatMulSerializationMode):
+        raise Error("serializedMatMul: mode must be a "
+                    "poptorch.MatMulSerializationMode ("
+                    f"{', '.join(MatMulSerializationMode.__members__)}), "
+                    f"not {mode!r}")
+    if not isinstance(keep_precision, bool):
+        raise Error("serializedMatMul: keep_precision must be a bool, not "
+                    f"{keep_precision!r}")
+    _check_matmul_operands(lhs, rhs)
+    if mode == MatMulSerializationMode.Disabled:
+        return torch.matmul(lhs, rhs)
+    factor = _check_count("serializedMatMul", "factor", factor, 1)
+    name, operand, dim = _SERIALIZED_DIMENSIONS[mode]
+    size = (lhs if operand == "lhs" else rhs).shape[dim]
+    if size % factor != 0:
+        raise Error(f"serializedMatMul: factor {factor} does not divide the "
+                    f"{name}, of size {size}, of {operand}; lhs has shape "
+                    f"{tuple(lhs.shape)}, rhs {tuple(rhs.shape)}")
+    upcast = keep_precision and lhs.dtype == torch.float16 \
+        and mode != MatMulSerializationMode.OutputChannels
+    left, right = (lhs.float(), rhs.float()) if upcast else (lhs, rhs)
+    piece = size // factor
+    if mode == MatMulSerializationMode.InputChannels:
+        result = torch.cat([torch.matmul(rows, right)
+                            for rows in left.split(piece, dim=-2)], dim=-2)
+    elif mode == MatMulSerializationMode.OutputChannels:
+        result = torch.cat([torch.matmul(left, columns)
+                            for columns in right.split(piece, dim=-1)], dim=-1)
+    else:
+        partials = [torch.matmul(a, b) for a, b in
+                    zip(left.split(piece, dim=-1), right.split(piece, dim=-2))]
+        result = sum(partials[1:], partials[0])
+    return result.to(lhs.dtype) if upcast else result
+
+
+def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor,
+                  size: int, step: int) -> torch.Tensor:
+    """``tensor`` sliced along ``dim`` from ``start`` (a tensor holding one
+    integer, which may change from run to run) over ``size`` elements with
+    ``step``: like ``tensor[start:start + size:step]`` along ``dim``.
+
+    ``size`` and ``step`` are constant, so the result's shape is static and
+    the op traces into a static graph (an ``index_select``). ``start + size``
+    must not exceed the dimension; an index past it raises an indexing
+    error when the graph runs.
+    """
+    _check_tensor("dynamic_slice", "tensor", tensor)
+    if isinstance(dim, bool) or not isinstance(dim, int) \
+            or not -tensor.dim() <= dim < tensor.dim():
+        raise Error(f"dynamic_slice: dim must be an integer in "
+                    f"[{-tensor.dim()}, {tensor.dim() - 1}] for a tensor of "
+                    f"shape {tuple(tensor.shape)}, not {dim!r}")
+    _check_tensor("dynamic_slice", "start", start)
+    if start.numel() != 1 or start.dtype.is_floating_point \
+            or start.dtype.is_complex or start.dtype == torch.bool:
+        raise Error("dynamic_slice: start must be a tensor holding one "
+                    f"integer; got dtype {start.dtype} and shape "
+                    f"{tuple(start.shape)}")
+    size = _check_count("dynamic_slice", "size", size, 1)
+    step = _check_count("dynamic_slice", "step", step, 1)
+    if size > tensor.shape[dim]:
+        raise Error(f"dynamic_slice: size {size} exceeds dimension {dim} of "
+                    f"the tensor, of size {tensor.shape[dim]}")
+    offsets = torch.arange(0, size, step, device=tensor.device)
+    first = start.to(device=tensor.device, dtype=torch.long).reshape(())
+    return torch.index_select(tensor, dim, first + offsets)
+
+
+def _as_tensor_list(function: str, what: str, values) -> List[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)) and all(
+            isinstance(value, torch.Tensor) for value in values):
+        return list(values)
+    raise Error(f"{function}: {what} must be a tensor or a list or tuple of "
+                f"tensors, not {values!r}")
+
+
+def _check_loop_carried(inputs: Sequence[torch.Tensor],
+                        outputs: Sequence[torch.Tensor]) -> None:
+    if len(outputs) != len(inputs):
+        raise Error(f"for_loop: body takes {len(inputs)} tensor(s) but "
+                    f"returned {len(outputs)}; it must return as many "
+                    "tensors as it takes")
+    for position, (before, after) in enumerate(zip(inputs, outputs)):
+        if before.shape != after.shape or before.dtype != after.dtype:
+            raise Error(f"for_loop: body output {position} is "
+                        f"{after.dtype} {tuple(after.shape)} but input "
+                        f"{position} is {before.dtype} "
+                        f"{tuple(before.shape)}; they must match")
+
+
+def for_loop(count: int, body: Callable[..., object],
+             inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Run ``body`` ``count`` times, passing each iteration the tensors the
+    previous one returned (``inputs`` for the first); return the last
+    iteration's tensors as a list.
+
+    ``body`` must return as many tensors as it takes, with the same shapes
+    and dtypes. ``count`` is a Python int: a captured graph holds the
+    iterations unrolled.
+    """
+    count = _check_count("for_loop", "count", count, 0)
+    if not callable(body):
+        raise Error(f"for_loop: body must be callable, not "
+                    f"{type(body).__name__}")
+    values = _as_tensor_list("for_loop", "inputs", inputs)
+    for _ in range(count):
+        outputs = _as_tensor_list("for_loop", "the value body returns",
+                                  body(*values))
+        _check_loop_carried(values, outputs)
+        values = outputs
+    return values
+
+
+_CONVOLUTIONS = (torch.conv1d, torch.conv2d, torch.conv3d)
+
+
+class _ConvolutionCounter(TorchFunctionMode):
+    """Counts the convolutions called while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _CONVOLUTIONS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _check_proportion_below_one(value) -> bool:
+    return _is_number(value) and 0.0 <= value < 1.0
+
+
+def _check_partials_type(value) -> bool:
+    return value in (torch.float16, torch.float32)
+
+
+def _check_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+class MultiConv:
+    """Combine the convolutions evaluated inside this scope into one
+    multi-convolution.
+
+    >>> with poptorch.MultiConv():
+    ...     y = self.convA(x)
+    ...     v = self.convB(u)
+
+    The builder methods validate their values and return ``self``; a value
+    given as a list must hold one entry per convolution run in the scope.
+    This is an IPU tuning knob: the convolutions run as ordinary PyTorch
+    convolutions.
+    """
+
+    def __init__(self) -> None:
+        self._per_convolution: dict = {}
+        self._counter: Optional[_ConvolutionCounter] = None
+
+    def _set_per_convolution(self, method: str, value, check: Callable,
+                             allowed: str) -> "MultiConv":
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values or not all(check(v) for v in values):
+            raise Error(f"MultiConv.{method}: expected {allowed}, or a list "
+                        f"or tuple of them (one per convolution); got "
+                        f"{value!r}")
+        if isinstance(value, (list, tuple)):
+            self._per_convolution[method] = len(values)
+        else:
+            self._per_convolution.pop(method, None)
+        return self
+
+    def availableMemoryProportions(self, value) -> "MultiConv":
+        """The available memory proportion per convolution, each in
+        [0, 1)."""
+        return self._set_per_convolution("availableMemoryProportions", value,
+                                         _check_proportion_below_one,
+                                         "a number in [0, 1)")
+
+    def partialsTypes(self, value) -> "MultiConv":
+        """The partials type (torch.float16 or torch.float32) of each
+        convolution."""
+        return self._set_per_convolution("partialsTypes", value,
+                                         _check_partials_type,
+                                         "torch.float16 or torch.float32")
+
+    def enableConvDithering(self, value) -> "MultiConv":
+        """Enable per-convolution dithering."""
+        return self._set_per_convolution("enableConvDithering", value,
+                                         _check_bool, "a bool")
+
+    def planType(self, value: MultiConvPlanType) -> "MultiConv":
+        """Select the multi-convolution execution strategy."""
+        if not isinstance(value, MultiConvPlanType):
+            raise Error("MultiConv.planType: expected a "
+                        "poptorch.MultiConvPlanType ("
+                        f"{', '.join(MultiConvPlanType.__members__)}), got "
+                        f"{value!r}")
+        return self
+
+    def perConvReservedTiles(self, value: int) -> "MultiConv":
+        """Tiles to reserve for each convolution."""
+        _check_count("MultiConv.perConvReservedTiles", "value", value, 0)
+        return self
+
+    def cycleBackOff(self, value: float) -> "MultiConv":
+        """Cycle back-off proportion, a number between 0 and 1."""
+        if not _is_number(value) or not 0.0 <= value <= 1.0:
+            raise Error("MultiConv.cycleBackOff: expected a number between 0 "
+                        f"and 1, got {value!r}")
+        return self
+
+    def __enter__(self) -> "MultiConv":
+        info_once("poptorch.MultiConv is accepted but has no effect on this "
+                  "device: its convolutions run as ordinary convolutions")
+        self._counter = _ConvolutionCounter()
+        self._counter.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        counter, self._counter = self._counter, None
+        counter.__exit__(exc_type, exc_value, traceback)
+        if exc_type is not None:
+            return
+        for method, given in self._per_convolution.items():
+            if given != counter.count:
+                raise Error(f"MultiConv.{method}: {given} values were given "
+                            f"for the {counter.count} convolution(s) run "
+                            "inside the MultiConv; give one per convolution")
+
+
+class CPU:
+    """Run a host function in the middle of the model.
+
+    >>> self.cpu = poptorch.CPU(self.myCpuOp, "MyCPUOp")
+    >>> out = self.cpu(x)   # arguments are forwarded to myCpuOp
+
+    On an IPU the function ran on the host while the graph waited. On the
+    devices this implementation targets the host and the device share the
+    same PyTorch, so the function runs inline: it is traced into the graph
+    like the rest of the model, and must therefore be written with PyTorch
+    operations on its tensor arguments.
+    """
+
+    def __init__(self, layer_to_call: Callable, ID: str) -> None:
+        if not callable(layer_to_call):
+            raise Error("CPU: layer_to_call must be callable, not "
+                        f"{type(layer_to_call).__name__}")
+        if not isinstance(ID, str):
+            raise Error(f"CPU: ID must be a string naming the op, not {ID!r}")
+        self._layer_to_call = layer_to_call
+        self._id = ID
+
+    def __call__(self, *args, **kwargs):
+        return self._layer_to_call(*args, **kwargs)
+
+    def execute(self) -> None:
+        """Implementation detail of IPU host callbacks, kept for
+        compatibility. Does nothing: the function already ran inline when
+        the op was called."""
+
+    def registerPersistentData(self) -> None:
+        """Implementation detail of IPU host callbacks (registering the host
+        buffers they read and write), kept for compatibility. Does nothing:
+        inline calls need no buffers."""
+
+
+def custom_op(inputs, name, domain, domain_version, example_outputs,
+              attributes=None):
+    """Apply a PopART C++ custom op: not possible on this device."""
+    raise Error(
+        f"poptorch.custom_op({name!r}, domain {domain!r}): PopART custom ops "
+        "are C++ libraries built against PopART and Poplar, which cannot be "
+        "loaded on CPU or GPU devices. Write the op with PyTorch operations, "
+        "or register it with torch.library.custom_op (with a "
+        "register_autograd backward for training), and call it in the model")
+
+
+def ctc_beam_search_decoder(probs, lengths, blank=0, beam_width=100,
+                            top_paths=1):
+    """A CTC beam search decoder op: not available on this device yet."""
+    raise Error(
+        "poptorch.ctc_beam_search_decoder is not available on this device "
+        "yet: the IPU decoder is a PopLibs kernel and has no implementation "
+        "here. Return the log-probabilities from the model and decode them "
+        "on the host")

@@ -1,0 +1,203 @@
+"""Reading an optimizer object into an ``OptimizerPlan`` for the executor.
+
+Supported: torch.optim.SGD, Adam, AdamW, RMSprop and poptorch.optim.SGD,
+Adam, AdamW, RMSprop, LAMB (and subclasses of them, planned as the supported
+class). Flags that do not change the maths (foreach, fused, capturable,
+differentiable) are ignored.
+
+Constant attributes (user guide "Constant attributes"): for poptorch.optim
+optimizers, those ``variable_attrs`` marks constant plus the ones that are
+always constant (accumulation types, ``use_combined_accum``); for torch.optim
+optimizers, the constructor arguments left at their default value, except
+``lr`` which is always variable. The executor refuses a new optimizer whose
+``constant_attrs`` differ from the compiled one's.
+"""
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Tuple
+
+import torch
+
+from ... import optim
+from ...errors import Error
+from ..logger import warn_once
+from . import adam, lamb, rmsprop, sgd
+from .poptorch_optimizer import PoptorchOptimizer
+from .rule import UpdateRule
+
+RuleFactory = Callable[[Mapping[str, Any]], UpdateRule]
+
+#: Supported optimizer classes and the rule of one of their param groups.
+SUPPORTED: Dict[type, RuleFactory] = {
+    optim.SGD: sgd.rule_for_group,
+    optim.Adam: adam.rule_for_group,
+    optim.AdamW: adam.rule_for_group,
+    optim.RMSprop: rmsprop.rule_for_group,
+    optim.LAMB: lamb.rule_for_group,
+    torch.optim.SGD: sgd.rule_for_group,
+    torch.optim.Adam: adam.rule_for_group,
+    torch.optim.AdamW: adam.rule_for_group,
+    torch.optim.RMSprop: rmsprop.rule_for_group,
+}
+
+#: torch.optim constructor arguments that do not change the maths.
+MATHS_NEUTRAL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """One param group: its rule, the positions of its trainable params in
+    the ``params`` list given to ``plan_optimizer``, and its hyper values."""
+    rule: UpdateRule
+    indices: Tuple[int, ...]
+    hyper: Dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlan:
+    """What the executor needs to trace and feed the optimizer update."""
+    groups: Tuple[GroupPlan, ...]
+    loss_scaling: float
+    max_grad_norm: Optional[float]
+    accum_dtype: Optional[torch.dtype]
+    constant_attrs: Dict[str, Any]
+
+    def structure(self) -> Hashable:
+        """Everything that changes the traced graph: each group's rule and
+        constants, indices, hyper and state names; loss scaling and clipping
+        on or off; the accumulation dtype. Equal structures mean that only
+        hyper-parameter values (and constant attributes, which the executor
+        checks separately) differ."""
+        groups = tuple((type(group.rule).__qualname__, group.rule.constants,
+                        group.indices, group.rule.hyper_names,
+                        group.rule.state_names) for group in self.groups)
+        return (groups, self.loss_scaling != 1.0,
+                self.max_grad_norm is not None, self.accum_dtype)
+
+
+def default_optimizer(params: Any) -> torch.optim.Optimizer:
+    """The optimizer used when none is given: SGD with lr 0.01."""
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def plan_optimizer(optimizer: torch.optim.Optimizer,
+                   params: List[torch.nn.Parameter]) -> OptimizerPlan:
+    """Read ``optimizer`` into a plan over ``params`` (the model's parameters).
+
+    Params with ``requires_grad=False`` are left out (not updated). Raises
+    ``poptorch.Error`` for an unsupported optimizer class, an optimizer
+    parameter that is not in ``params``, a negative or NaN learning rate, or
+    invalid PopTorch extra attributes.
+    """
+    base = supported_base(type(optimizer))
+    if isinstance(optimizer, PoptorchOptimizer):
+        optimizer.check_param_groups()
+    positions = {id(param): index for index, param in enumerate(params)}
+    rule_for_group = SUPPORTED[base]
+    groups = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        indices = _trainable_indices(group, group_index, positions)
+        _check_learning_rate(group, group_index)
+        if indices:
+            rule = rule_for_group(group)
+            groups.append(GroupPlan(rule, indices, rule.hyper_values(group)))
+    first = optimizer.param_groups[0]
+    max_grad_norm = first.get("max_grad_norm", math.inf)
+    return OptimizerPlan(
+        groups=tuple(groups),
+        loss_scaling=float(first.get("loss_scaling", 1.0)),
+        max_grad_norm=float(max_grad_norm) if math.isfinite(max_grad_norm) else None,
+        accum_dtype=_accum_dtype(optimizer),
+        constant_attrs=_constant_attrs(optimizer, base))
+
+
+def supported_base(optimizer_class: type) -> type:
+    """The supported class ``optimizer_class`` is planned as (itself or its
+    nearest supported base class)."""
+    for klass in optimizer_class.__mro__:
+        if klass in SUPPORTED:
+            break
+    else:
+        names = ", ".join(f"{k.__module__.split('.')[0]}.optim.{k.__name__}"
+                          for k in SUPPORTED)
+        raise Error(f"Unsupported optimizer {optimizer_class.__module__}."
+                    f"{optimizer_class.__qualname__}: the supported optimizers "
+                    f"are {names}")
+    if klass is not optimizer_class and _overrides_step(optimizer_class, klass):
+        warn_once(f"{optimizer_class.__qualname__} overrides step(): its Python "
+                  f"step code is not run on the device, which applies the "
+                  f"{klass.__module__}.{klass.__name__} update instead")
+    return klass
+
+
+def _overrides_step(optimizer_class: type, base: type) -> bool:
+    return inspect.unwrap(optimizer_class.step) is not inspect.unwrap(base.step)
+
+
+def _trainable_indices(group: Mapping[str, Any], group_index: int,
+                       positions: Dict[int, int]) -> Tuple[int, ...]:
+    indices = []
+    for position, param in enumerate(group["params"]):
+        index = positions.get(id(param))
+        if index is None:
+            raise Error(f"Parameter {position} (shape {tuple(param.shape)}) of "
+                        f"the optimizer's param group {group_index} is not a "
+                        f"parameter of the model: the optimizer must be built "
+                        f"from the wrapped model's parameters")
+        if param.requires_grad:
+            indices.append(index)
+    return tuple(indices)
+
+
+def _check_learning_rate(group: Mapping[str, Any], group_index: int) -> None:
+    lr = group["lr"]
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        value = math.nan
+    if math.isnan(value) or value < 0:
+        raise Error(f"Invalid learning rate (lr) {lr!r} in param group "
+                    f"{group_index}: it must be a number >= 0")
+
+
+def _accum_dtype(optimizer: torch.optim.Optimizer) -> Optional[torch.dtype]:
+    """The gradient accumulation dtype: ``accum_type``, which SGD's combined
+    variant ignores (its velocity tensor is the accumulator)."""
+    groups = optimizer.param_groups
+    combined = any(group.get("use_combined_accum") and group["momentum"] != 0
+                   for group in groups)
+    return None if combined else groups[0].get("accum_type")
+
+
+def _plain(value: Any) -> Any:
+    """A comparable value: tensors become numbers, sequences tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(item) for item in value)
+    return value
+
+
+def _constant_attrs(optimizer: torch.optim.Optimizer, base: type) -> Dict[str, Any]:
+    """Each constant attribute and its value in every param group."""
+    if isinstance(optimizer, PoptorchOptimizer):
+        names = [name for name in optimizer.variable_candidates
+                 if optimizer.variable_attrs.isConstant(name)]
+        names += [name for name in optimizer.extra_defaults
+                  if name not in optimizer.variable_candidates]
+    else:
+        names = _torch_defaulted_arguments(optimizer, base)
+    return {name: tuple(_plain(group.get(name)) for group in optimizer.param_groups)
+            for name in names}
+
+
+def _torch_defaulted_arguments(optimizer: torch.optim.Optimizer,
+                               base: type) -> List[str]:
+    """The constructor arguments of a torch.optim optimizer left at their
+    default value (``lr`` excepted)."""
+    signature = inspect.signature(base.__init__).parameters
+    return [name for name, parameter in signature.items()
+            if name in optimizer.defaults and name != "lr"
+            and name not in MATHS_NEUTRAL_FLAGS
+            and _plain(optimizer.defaults[name]) == _plain(parameter.default)]

@@ -1,0 +1,208 @@
+"""The interface of a pure optimizer update, and the tensor-list helpers the
+families share.
+
+A training step is traced once into a static graph and run many times, so an
+update rule is a pure function of tensors: it never reads a tensor value in
+Python, never mutates its inputs and keeps no state between calls. Per-group
+hyper-parameters arrive as 0-d float32 tensors (changing them needs no
+re-trace); structural choices are Python constants fixed when the rule is
+built. Updates use the out-of-place ``torch._foreach_*`` ops over a group's
+tensor lists, so a group's update is a handful of graph nodes.
+
+All tensors of one group (parameters, gradients, state) live on one device;
+the hyper-parameter tensors live on that device too or are CPU scalars.
+
+Hyper-parameter tensors may be float32 or float64; the per-step scalar maths
+(``1 - beta``, bias corrections, step sizes) is done in their dtype and the
+tensor maths in the params' dtype. torch.optim does the scalar maths in Python
+(double precision): float64 hyper-parameters reproduce it to rounding, while
+float32 ones shift values such as ``1 - 0.999`` by about 1e-5 relative.
+"""
+import abc
+import functools
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ...errors import Error
+
+TorchState = Mapping[str, Any]
+
+
+class UpdateRule(abc.ABC):
+    """Pure update of one param group for one optimizer family."""
+
+    #: Structural settings fixed at trace time (hashable, sorted by name).
+    constants: Tuple[Tuple[str, Any], ...]
+    #: Names of the numeric per-group hyper-parameters fed as 0-d tensors.
+    hyper_names: Tuple[str, ...]
+    #: Names of the per-parameter state tensors.
+    state_names: Tuple[str, ...]
+
+    @abc.abstractmethod
+    def init_state(self, params: List[Tensor],
+                   torch_state: List[TorchState]) -> Dict[str, List[Tensor]]:
+        """Initial state for each param (on the param's device, dtype per the
+        accumulation types); a non-empty ``torch_state[i]`` (the torch
+        optimizer's ``state[p]``) is the starting point for that param."""
+
+    @abc.abstractmethod
+    def update(self, params: List[Tensor], grads: List[Tensor],
+               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor]
+               ) -> Tuple[List[Tensor], Dict[str, List[Tensor]]]:
+        """New params and new state; pure; ``grads`` are already reduced
+        (mean or sum) and unscaled."""
+
+    @abc.abstractmethod
+    def export_state(self, params: List[Tensor],
+                     state: Dict[str, List[Tensor]]) -> List[Dict[str, Tensor]]:
+        """Per-param state in torch.optim's format (the keys and meaning of
+        torch's ``state[p]``; empty before the first update, like torch)."""
+
+    @abc.abstractmethod
+    def hyper_values(self, group: Mapping[str, Any]) -> Dict[str, float]:
+        """The current values of ``hyper_names`` read from a param group."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.constants == other.constants
+
+    def __hash__(self) -> int:
+        return hash((type(self).__qualname__, self.constants))
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{name}={value!r}" for name, value in self.constants)
+        return f"{type(self).__name__}({settings})"
+
+
+def sorted_constants(**settings: Any) -> Tuple[Tuple[str, Any], ...]:
+    """``settings`` as the sorted ``(name, value)`` tuple of ``constants``."""
+    return tuple(sorted(settings.items()))
+
+
+# State creation -------------------------------------------------------------
+
+def storage_dtype(param: Tensor, accum_type: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype of a state tensor: the accumulation type, or the param's."""
+    return param.dtype if accum_type is None else accum_type
+
+
+def state_tensors(name: str, params: Sequence[Tensor],
+                  torch_state: Sequence[TorchState],
+                  accum_type: Optional[torch.dtype],
+                  fill: float = 0.0) -> List[Tensor]:
+    """One state tensor per param: a copy of ``torch_state[i][name]`` when it
+    is there, else a tensor like the param filled with ``fill``."""
+    tensors = []
+    for index, (param, given) in enumerate(zip(params, torch_state)):
+        dtype = storage_dtype(param, accum_type)
+        value = given.get(name)
+        if value is None:
+            tensors.append(torch.full_like(param, fill, dtype=dtype))
+            continue
+        value = torch.as_tensor(value).detach()
+        if value.shape != param.shape:
+            raise Error(f"Optimizer state '{name}' of parameter {index} has "
+                        f"shape {tuple(value.shape)} but the parameter has "
+                        f"shape {tuple(param.shape)}")
+        tensors.append(value.to(device=param.device, dtype=dtype, copy=True))
+    return tensors
+
+
+def step_tensors(params: Sequence[Tensor],
+                 torch_state: Sequence[TorchState]) -> List[Tensor]:
+    """One 0-d float32 step counter per param: torch's ``state[p]["step"]``,
+    or 0 for a param with no torch state."""
+    return [torch.tensor(float(torch.as_tensor(given.get("step", 0.0)).item()),
+                         dtype=torch.float32, device=param.device)
+            for param, given in zip(params, torch_state)]
+
+
+def has_started(step: Tensor) -> bool:
+    """Whether a param has been updated at least once (host side only)."""
+    return bool(step.item() > 0)
+
+
+def started_state(state: Dict[str, List[Tensor]],
+                  names: Sequence[str]) -> List[Dict[str, Tensor]]:
+    """Per param, copies of its ``names`` state tensors, or an empty dict for
+    a param never updated (torch creates the state on the first step)."""
+    return [{name: state[name][index].clone() for name in names}
+            if has_started(step) else {}
+            for index, step in enumerate(state["step"])]
+
+
+# Dtypes ---------------------------------------------------------------------
+
+def compute_dtypes(*tensor_lists: Sequence[Tensor]) -> List[torch.dtype]:
+    """Per param, the widest dtype among its tensors in ``tensor_lists``: the
+    update is computed in it and the results are cast back for storage."""
+    return [functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+            for tensors in zip(*tensor_lists)]
+
+
+def cast(tensors: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> List[Tensor]:
+    """``tensors`` converted to ``dtypes`` (no graph node where they match)."""
+    return [t if t.dtype == dtype else t.to(dtype)
+            for t, dtype in zip(tensors, dtypes)]
+
+
+def dtypes_of(tensors: Sequence[Tensor]) -> List[torch.dtype]:
+    return [t.dtype for t in tensors]
+
+
+# Tensor-list arithmetic -----------------------------------------------------
+
+def add_scaled(base: List[Tensor], other: List[Tensor],
+               scale: Union[Tensor, List[Tensor]]) -> List[Tensor]:
+    """``base + other * scale`` with a 0-d tensor or one 0-d tensor per item."""
+    return torch._foreach_add(base, torch._foreach_mul(other, scale))
+
+
+def sub_scaled(base: List[Tensor], other: List[Tensor],
+               scale: Union[Tensor, List[Tensor]]) -> List[Tensor]:
+    """``base - other * scale``."""
+    return torch._foreach_sub(base, torch._foreach_mul(other, scale))
+
+
+def lerp(start: List[Tensor], end: List[Tensor], weight: Tensor) -> List[Tensor]:
+    """``start + (end - start) * weight`` (torch's ``lerp`` with a tensor weight)."""
+    return add_scaled(start, torch._foreach_sub(end, start), weight)
+
+
+def decay_average(average: List[Tensor], values: List[Tensor],
+                  decay: Tensor) -> List[Tensor]:
+    """``average * decay + values**2 * (1 - decay)`` (a second moment)."""
+    squares = torch._foreach_mul(values, values)
+    return add_scaled(torch._foreach_mul(average, decay), squares, 1 - decay)
+
+
+def per_param(scalars: Tensor) -> List[Tensor]:
+    """A 1-D tensor of per-param scalars as a list of 0-d tensors."""
+    return list(torch.unbind(scalars))
+
+
+def stacked(scalars: Sequence[Tensor], like: Optional[Tensor] = None) -> Tensor:
+    """Per-param 0-d tensors as one 1-D tensor (one node for their maths),
+    in the dtype of ``like`` (a hyper-parameter) when given."""
+    vector = torch.stack(list(scalars))
+    return vector if like is None else vector.to(like.dtype)
+
+
+# Gradient clipping ----------------------------------------------------------
+
+def clip_grad_norm(grads: List[Tensor],
+                   max_norm: Union[float, Tensor]) -> List[Tensor]:
+    """Gradients scaled so that their global 2-norm is at most ``max_norm``.
+
+    Pure version of ``torch.nn.utils.clip_grad_norm_``: the total norm is the
+    norm of the per-tensor norms, the scale is
+    ``min(max_norm / (total_norm + 1e-6), 1)``.
+    """
+    if not grads:
+        return []
+    norm_dtype = functools.reduce(torch.promote_types, dtypes_of(grads))
+    norms = torch._foreach_norm(grads, 2, dtype=norm_dtype)
+    total_norm = torch.linalg.vector_norm(stacked(norms))
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    return torch._foreach_mul(grads, scale)
