@@ -117,3 +117,12 @@ def test_buffers_written_with_replicas_need_broadcast_buffers_off():
     opts = options(replicas=2, broadcastBuffers=False)
     model.destroy()
     poptorch.trainingModel(net, opts)(*make_images(4))
+
+
+def test_set_optimizer_with_changed_defaulted_weight_decay_is_an_error(
+        trained):
+    model, snapshot = trained
+    with pytest.raises(poptorch.Error, match="weight_decay"):
+        model.setOptimizer(torch.optim.SGD(model.model.parameters(), lr=0.1,
+                                           momentum=0.9, weight_decay=0.1))
+    assert_unchanged(model, snapshot)

@@ -493,14 +493,19 @@ def _check_mode_options(options, training: bool) -> None:
 
 
 def _check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
-    if old.structure() == new.structure():
-        return
+    """Raise unless ``new`` differs from ``old`` in variable values only."""
     changed = sorted(name for name in set(old.constant_attrs) |
                      set(new.constant_attrs)
                      if old.constant_attrs.get(name) !=
                      new.constant_attrs.get(name))
-    detail = (f"the constant attribute(s) {', '.join(changed)}" if changed
-              else "the optimizer type or its parameter groups")
+    changed += [name for name in ("loss_scaling", "max_grad_norm")
+                if getattr(old, name) != getattr(new, name)]
+    if changed:
+        detail = f"the compile-time constant(s) {', '.join(changed)}"
+    elif old.structure() != new.structure():
+        detail = "the optimizer type or its parameter groups"
+    else:
+        return
     raise Error(f"setOptimizer: {detail} changed after the model was "
                 "compiled. Only variable attributes (such as lr) can change "
                 "after compilation; call destroy() and compile again to "
