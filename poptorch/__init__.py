@@ -27,3 +27,4 @@ from ._impl.ops import (CPU, MultiConv, ctc_beam_search_decoder, custom_op,
 from ._impl.strategies import (ParallelPhasedExecution, Phase,
                                PipelinedExecution, SerialPhasedExecution,
                                ShardedExecution, Stage)
+from ._impl.data import AsynchronousDataAccessor, DataLoader
