@@ -48,33 +48,24 @@ def data(kind: str, rows: int):
     return torch.randn(shape), torch.randint(0, 10, (rows,))
 
 
-def median_seconds(one_pass, repeats: int) -> float:
-    """Median wall time of ``one_pass`` after one warm-up pass."""
-    one_pass()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def eager_seconds(model, x, y, micro_batch: int, repeats: int) -> float:
+def eager_pass(model, x, y, micro_batch: int):
+    """One pass over the data with the plain eager training loop."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    xs, ys = x.split(micro_batch), y.split(micro_batch)
+    batches = list(zip(x.split(micro_batch), y.split(micro_batch)))
 
     def one_pass():
-        for xb, yb in zip(xs, ys):
+        for xb, yb in batches:
             optimizer.zero_grad()
             _, loss = model(xb, yb)
             loss.backward()
             optimizer.step()
 
-    return median_seconds(one_pass, repeats)
+    return one_pass
 
 
-def poptorch_seconds(model, x, y, iterations: int, micro_batch: int,
-                     repeats: int) -> float:
+def poptorch_pass(model, x, y, iterations: int, micro_batch: int):
+    """One pass over the same data through a training model with
+    ``iterations`` device iterations per call."""
     opts = poptorch.Options().deviceIterations(iterations)
     training = poptorch.trainingModel(
         model, opts,
@@ -86,7 +77,21 @@ def poptorch_seconds(model, x, y, iterations: int, micro_batch: int,
         for xb, yb in calls:
             training(xb, yb)
 
-    return median_seconds(one_pass, repeats)
+    return one_pass
+
+
+def interleaved_medians(passes, repeats: int):
+    """Median wall time of each pass, run alternately after one warm-up
+    each, so that machine noise affects them alike."""
+    for one_pass in passes:
+        one_pass()
+    times = [[] for _ in passes]
+    for _ in range(repeats):
+        for one_pass, record in zip(passes, times):
+            start = time.perf_counter()
+            one_pass()
+            record.append(time.perf_counter() - start)
+    return [statistics.median(record) for record in times]
 
 
 def main() -> None:
@@ -94,7 +99,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--calls", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rows = args.calls * args.iterations * args.micro_batch
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -107,10 +112,10 @@ def main() -> None:
         torch.manual_seed(0)
         model = cls()
         x, y = data(kind, rows)
-        eager = eager_seconds(copy.deepcopy(model), x, y, args.micro_batch,
-                              args.repeats)
-        ours = poptorch_seconds(model, x, y, args.iterations,
-                                args.micro_batch, args.repeats)
+        eager, ours = interleaved_medians(
+            [eager_pass(copy.deepcopy(model), x, y, args.micro_batch),
+             poptorch_pass(model, x, y, args.iterations, args.micro_batch)],
+            args.repeats)
         print(f"| {kind.upper()} | {rows / eager:,.0f} | {rows / ours:,.0f} "
               f"| {eager / ours:.2f} |")
 

@@ -71,9 +71,20 @@ def trace(fn: Callable, example_inputs: Sequence[torch.Tensor]
           ) -> torch.fx.GraphModule:
     """A graph of ``fn`` over flat tensor inputs."""
     graph_module = make_fx(fn, tracing_mode="fake")(*example_inputs)
+    _remove_detaches(graph_module.graph)
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
     return graph_module
+
+
+def _remove_detaches(graph: torch.fx.Graph) -> None:
+    """Captured graphs run without autograd, so ``detach`` is a no-op in
+    them: use its input instead."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and \
+                node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
 
 
 @dataclasses.dataclass

@@ -27,12 +27,34 @@ from .optimizers.plan import OptimizerPlan
 from .optimizers.rule import UpdateRule, clip_grad_norm
 
 
+# Hyper-parameter names whose optimizer attribute has another name.
+_ATTRIBUTE_OF_HYPER = {"beta1": "betas", "beta2": "betas"}
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupLayout:
-    """One optimizer param group inside the flat training inputs."""
+    """One optimizer param group inside the flat training inputs.
+
+    Hyper-parameters of constant attributes are embedded in the graph as
+    Python numbers (the spec's constant attributes); the variable ones are
+    0-d tensor inputs, so new values need no new capture."""
     rule: UpdateRule
     positions: List[int]        # positions in the trainable list
     plan_index: int             # index of the group in the optimizer plan
+    variable_hyper: List[str]
+    constant_hyper: Dict[str, float]
+
+    @staticmethod
+    def build(plan: OptimizerPlan, plan_index: int,
+              positions: List[int]) -> "GroupLayout":
+        group = plan.groups[plan_index]
+        constant = [name for name in group.rule.hyper_names
+                    if _ATTRIBUTE_OF_HYPER.get(name, name)
+                    in plan.constant_attrs]
+        return GroupLayout(
+            group.rule, positions, plan_index,
+            [n for n in group.rule.hyper_names if n not in constant],
+            {name: float(group.hyper[name]) for name in constant})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +71,9 @@ class TrainingLayout:
         trainable = [i for group in plan.groups for i in group.indices
                      if i in reaching]
         position = {index: p for p, index in enumerate(trainable)}
-        groups = [GroupLayout(group.rule,
-                              [position[i] for i in group.indices
-                               if i in position], plan_index)
+        groups = [GroupLayout.build(plan, plan_index,
+                                    [position[i] for i in group.indices
+                                     if i in position])
                   for plan_index, group in enumerate(plan.groups)]
         return TrainingLayout(
             trainable=trainable,
@@ -62,8 +84,6 @@ class TrainingLayout:
         return sum(len(g.rule.state_names) * len(g.positions)
                    for g in self.groups)
 
-    def hyper_size(self) -> int:
-        return sum(len(g.rule.hyper_names) for g in self.groups)
 
     def initial_state(self, params: List[torch.Tensor],
                       torch_states: List[Dict]) -> List[torch.Tensor]:
@@ -82,7 +102,7 @@ class TrainingLayout:
                      device: torch.device) -> List[torch.Tensor]:
         return [torch.tensor(float(plan.groups[g.plan_index].hyper[name]),
                              dtype=torch.float64, device=device)
-                for g in self.groups for name in g.rule.hyper_names]
+                for g in self.groups for name in g.variable_hyper]
 
     def unflatten_state(self, flat: Sequence[torch.Tensor]
                         ) -> List[Dict[str, List[torch.Tensor]]]:
@@ -120,8 +140,9 @@ def _apply_update(layout: TrainingLayout, settings: StepSettings,
     hyper_start = 0
     for group, group_state in zip(layout.groups,
                                   layout.unflatten_state(state)):
-        names = group.rule.hyper_names
-        group_hyper = dict(zip(names, hyper[hyper_start:hyper_start +
+        names = group.variable_hyper
+        group_hyper = dict(group.constant_hyper)
+        group_hyper.update(zip(names, hyper[hyper_start:hyper_start +
                                             len(names)]))
         hyper_start += len(names)
         updated, updated_state = group.rule.update(

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .rule import (TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
+from .rule import (in_dtype_of, is_zero_constant, sub_scaled, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
                    decay_average, dtypes_of, lerp, per_param,
                    sorted_constants, stacked, started_state, state_tensors,
                    step_tensors)
@@ -81,9 +81,10 @@ class AdamRule(UpdateRule):
         lr, weight_decay = hyper["lr"], hyper["weight_decay"]
         if self.maximize:
             grads = torch._foreach_neg(grads)
-        if self.decoupled_weight_decay:
-            weights = torch._foreach_mul(weights, 1 - lr * weight_decay)
-        else:
+        if self.decoupled_weight_decay and not is_zero_constant(weight_decay):
+            weights = torch._foreach_mul(
+                weights, in_dtype_of(weights, 1 - lr * weight_decay))
+        elif not self.decoupled_weight_decay:
             grads = add_scaled(grads, weights, weight_decay)
         exp_avg, exp_avg_sq = first_and_second_moments(
             grads, cast(state["exp_avg"], dtypes),
@@ -109,13 +110,14 @@ class AdamRule(UpdateRule):
         lr = hyper["lr"]
         if self.bias_correction:
             correction1, correction2 = bias_corrections(new_steps, hyper)
-            root = torch._foreach_div(root, per_param(torch.sqrt(correction2)))
-            step_sizes = per_param(lr / correction1)
+            root = torch._foreach_div(
+                root, per_param(torch.sqrt(correction2), like=root))
+            step_sizes = per_param(lr / correction1, like=weights)
         else:
             step_sizes = lr
-        denominator = torch._foreach_add(root, hyper["eps"])
+        denominator = torch._foreach_add(root, in_dtype_of(root, hyper["eps"]))
         ratio = torch._foreach_div(exp_avg, denominator)
-        return torch._foreach_sub(weights, torch._foreach_mul(ratio, step_sizes))
+        return sub_scaled(weights, ratio, step_sizes)
 
     def export_state(self, params: List[Tensor],
                      state: Dict[str, List[Tensor]]) -> List[Dict[str, Tensor]]:

@@ -75,7 +75,7 @@ class LAMBRule(UpdateRule):
         update = add_scaled(update, weights, hyper["weight_decay"])
         step_sizes = hyper["lr"] * self._trust_ratios(weights, update, hyper)
         new_weights = torch._foreach_sub(
-            weights, torch._foreach_mul(update, per_param(step_sizes)))
+            weights, torch._foreach_mul(update, per_param(step_sizes, like=update)))
         new_state = {"exp_avg": cast(exp_avg, dtypes_of(state["exp_avg"])),
                      "exp_avg_sq": cast(exp_avg_sq, dtypes_of(state["exp_avg_sq"])),
                      "step": steps}
@@ -87,8 +87,10 @@ class LAMBRule(UpdateRule):
         """``m_hat / (sqrt(v_hat) + eps)``."""
         if self.bias_correction:
             correction1, correction2 = bias_corrections(new_steps, hyper)
-            exp_avg = torch._foreach_div(exp_avg, per_param(correction1))
-            exp_avg_sq = torch._foreach_div(exp_avg_sq, per_param(correction2))
+            exp_avg = torch._foreach_div(exp_avg,
+                                         per_param(correction1, like=exp_avg))
+            exp_avg_sq = torch._foreach_div(
+                exp_avg_sq, per_param(correction2, like=exp_avg_sq))
         root = torch._foreach_add(torch._foreach_sqrt(exp_avg_sq), hyper["eps"])
         return torch._foreach_div(exp_avg, root)
 
@@ -101,7 +103,7 @@ class LAMBRule(UpdateRule):
         update_norms = stacked(torch._foreach_norm(update, 2, dtype=norm_dtype))
         scaled_norms = weight_norms
         if self.clamp_weight_norm:
-            scaled_norms = torch.minimum(weight_norms, hyper["max_weight_norm"])
+            scaled_norms = torch.clamp(weight_norms, max=hyper["max_weight_norm"])
         both_positive = (weight_norms > 0) & (update_norms > 0)
         return torch.where(both_positive, scaled_norms / update_norms,
                            torch.ones_like(weight_norms))

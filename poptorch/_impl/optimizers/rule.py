@@ -153,16 +153,38 @@ def dtypes_of(tensors: Sequence[Tensor]) -> List[torch.dtype]:
 
 # Tensor-list arithmetic -----------------------------------------------------
 
+def is_zero_constant(value: Any) -> bool:
+    """Whether ``value`` is a compile-time constant (a Python number) that is
+    zero, so the operation it scales can be left out of the graph."""
+    return not isinstance(value, (Tensor, list)) and value == 0
+
+
+def in_dtype_of(tensors: Sequence[Tensor], value: Any) -> Any:
+    """A 0-d tensor ``value`` converted once to the dtype of ``tensors``, so
+    that a foreach operation does not convert it again for every tensor.
+    Python numbers (constant attributes) and lists pass unchanged."""
+    if isinstance(value, Tensor) and tensors and value.dtype != tensors[0].dtype:
+        return value.to(tensors[0].dtype)
+    return value
+
+
 def add_scaled(base: List[Tensor], other: List[Tensor],
-               scale: Union[Tensor, List[Tensor]]) -> List[Tensor]:
-    """``base + other * scale`` with a 0-d tensor or one 0-d tensor per item."""
-    return torch._foreach_add(base, torch._foreach_mul(other, scale))
+               scale: Union[float, Tensor, List[Tensor]]) -> List[Tensor]:
+    """``base + other * scale`` with a number, a 0-d tensor or one 0-d tensor
+    per item; a constant zero scale adds nothing."""
+    if is_zero_constant(scale):
+        return list(base)
+    return torch._foreach_add(
+        base, torch._foreach_mul(other, in_dtype_of(other, scale)))
 
 
 def sub_scaled(base: List[Tensor], other: List[Tensor],
-               scale: Union[Tensor, List[Tensor]]) -> List[Tensor]:
+               scale: Union[float, Tensor, List[Tensor]]) -> List[Tensor]:
     """``base - other * scale``."""
-    return torch._foreach_sub(base, torch._foreach_mul(other, scale))
+    if is_zero_constant(scale):
+        return list(base)
+    return torch._foreach_sub(
+        base, torch._foreach_mul(other, in_dtype_of(other, scale)))
 
 
 def lerp(start: List[Tensor], end: List[Tensor], weight: Tensor) -> List[Tensor]:
@@ -174,11 +196,16 @@ def decay_average(average: List[Tensor], values: List[Tensor],
                   decay: Tensor) -> List[Tensor]:
     """``average * decay + values**2 * (1 - decay)`` (a second moment)."""
     squares = torch._foreach_mul(values, values)
-    return add_scaled(torch._foreach_mul(average, decay), squares, 1 - decay)
+    return add_scaled(torch._foreach_mul(average, in_dtype_of(average, decay)),
+                      squares, 1 - decay)
 
 
-def per_param(scalars: Tensor) -> List[Tensor]:
-    """A 1-D tensor of per-param scalars as a list of 0-d tensors."""
+def per_param(scalars: Tensor,
+              like: Optional[Sequence[Tensor]] = None) -> List[Tensor]:
+    """A 1-D tensor of per-param scalars as a list of 0-d tensors, converted
+    once to the dtype of the tensors ``like`` when given."""
+    if like:
+        scalars = scalars.to(like[0].dtype)
     return list(torch.unbind(scalars))
 
 
@@ -186,7 +213,9 @@ def stacked(scalars: Sequence[Tensor], like: Optional[Tensor] = None) -> Tensor:
     """Per-param 0-d tensors as one 1-D tensor (one node for their maths),
     in the dtype of ``like`` (a hyper-parameter) when given."""
     vector = torch.stack(list(scalars))
-    return vector if like is None else vector.to(like.dtype)
+    if like is None:
+        return vector
+    return vector.to(like.dtype if isinstance(like, Tensor) else torch.float64)
 
 
 # Gradient clipping ----------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .rule import (TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
+from .rule import (in_dtype_of, is_zero_constant, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
                    dtypes_of, has_started, per_param, sorted_constants,
                    stacked, state_tensors, step_tensors, sub_scaled)
 
@@ -124,9 +124,15 @@ class SGDRule(UpdateRule):
                   ) -> Tuple[List[Tensor], List[Tensor], Dict[str, List[Tensor]]]:
         """Direction, new velocity and other new state (separate variant)."""
         momentum = hyper["momentum"]
-        coefficients = per_param(self._gradient_coefficients(state, hyper))
-        velocity = add_scaled(torch._foreach_mul(velocity, momentum), grads,
-                              coefficients)
+        decayed = torch._foreach_mul(velocity, in_dtype_of(velocity, momentum))
+        if is_zero_constant(hyper["dampening"]):
+            # The velocity starts at zero, so the first step gives exactly
+            # torch's velocity = gradient without a first-step case.
+            velocity = torch._foreach_add(decayed, grads)
+        else:
+            coefficients = per_param(
+                self._gradient_coefficients(state, hyper), like=grads)
+            velocity = add_scaled(decayed, grads, coefficients)
         direction = (add_scaled(grads, velocity, momentum) if self.nesterov
                      else velocity)
         return direction, velocity, {}
@@ -143,7 +149,7 @@ class SGDRule(UpdateRule):
         Scales are float32, like the per-param scale state.
         """
         momentum = hyper["momentum"]
-        scale = hyper["velocity_scaling"].to(torch.float32)
+        scale = torch.as_tensor(hyper["velocity_scaling"], dtype=torch.float32)
         old_scales = stacked(state[_VELOCITY_SCALE])
         decay = per_param(momentum * (scale / old_scales))
         coefficients = per_param(self._gradient_coefficients(state, hyper) * scale)
