@@ -172,24 +172,23 @@ def _written_placeholders(graph: torch.fx.Graph) -> List[int]:
     return sorted(written)
 
 
-def _descendants(node: torch.fx.Node) -> set:
+def _reachable(node: torch.fx.Node, neighbours) -> set:
+    """Nodes reachable from ``node`` through ``neighbours(node)``."""
     seen, todo = set(), [node]
     while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
+        for other in neighbours(todo.pop()):
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
     return seen
+
+
+def _descendants(node: torch.fx.Node) -> set:
+    return _reachable(node, lambda n: n.users)
 
 
 def _ancestors(node: torch.fx.Node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        for parent in todo.pop().all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
+    return _reachable(node, lambda n: n.all_input_nodes)
 
 
 def _describe_node(node: torch.fx.Node) -> str:
