@@ -17,6 +17,7 @@ from ._impl.executor import PoplarExecutor
 from ._impl.logger import setLogLevel
 from ._impl.losses import identity_loss
 from ._impl.model_wrapping import inferenceModel, trainingModel
+from ._impl.serialization.loading import load
 from . import optim, profiling
 from ._impl.blocks import BeginBlock, Block, BlockFunction, NameScope, removeBlocks
 from ._impl.ops import (CPU, MultiConv, ctc_beam_search_decoder, custom_op,

@@ -50,16 +50,20 @@ _TENSOR_LOCATIONS = Effect(
     "replicated tensor sharding)")
 _IO_TILES = Effect(NO_EFFECT, "IPU I/O tiles do not exist on CPU/GPU")
 _SOURCE_LOCATIONS = Effect(
-    STORED, "takes effect with source locations in graph and error messages")
+    IMPLEMENTED, "frames of these files are skipped when capture errors "
+    "name the user's source line")
 _DISTRIBUTED = Effect(
-    STORED, "takes effect with distributed execution (DataLoader "
-    "partitioning between processes)")
+    IMPLEMENTED, "training models of an n-process run join a "
+    "torch.distributed process group and all-reduce their gradients; the "
+    "DataLoader gives each process its part of the data")
 
 #: Every option setter (qualified as written in a config file), with its
 #: effect on this implementation. Config files and POPTORCH_DEFAULT_OPTIONS
 #: may call exactly these (TensorLocationSettings.* inside a settings chain).
 OPTION_EFFECTS: Dict[str, Effect] = {
-    "anchorTensor": Effect(STORED, "takes effect with anchored tensors"),
+    "anchorTensor": Effect(
+        IMPLEMENTED, "the named tensor is returned by getAnchoredTensor "
+        "after each call"),
     "appendToLocationExcludes": _SOURCE_LOCATIONS,
     "autoRoundNumIPUs": Effect(
         NO_EFFECT, "no IPUs are reserved, so there is no IPU count to round"),
@@ -71,9 +75,11 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "deviceIterations": Effect(
         IMPLEMENTED, "each call runs this many steps (semantics.md)"),
     "disableModuleNamescope": Effect(
-        STORED, "takes effect with operator names in the captured graph"),
+        IMPLEMENTED, "tensor names (getTensorNames, anchorTensor) leave out "
+        "module paths"),
     "enableExecutableCaching": Effect(
-        STORED, "takes effect with executable caching"),
+        IMPLEMENTED, "compiled executables (inductor backend) are kept in "
+        "and loaded from this directory"),
     "enableProfiling": Effect(
         NO_EFFECT, "IPU profiling reports (PopVision) are not produced; use "
         "torch.profiler instead"),
@@ -84,7 +90,8 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         NO_EFFECT, "there is no host-to-IPU data stream to replace; the "
         "model always reads the data it is given"),
     "inputReplicaGrouping": Effect(
-        STORED, "takes effect with replica grouping of inputs"),
+        IMPLEMENTED, "the replicas of an input group read the same slice "
+        "of each call's data"),
     "logCycleCount": Effect(
         NO_EFFECT, "IPU cycle counts do not exist on CPU/GPU"),
     "logDir": Effect(
@@ -100,19 +107,25 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         IMPLEMENTED, "seeds the random number generator of the model's "
         "random operations"),
     "relaxOptimizerAttributesChecks": Effect(
-        STORED, "takes effect with the optimizer attribute checks of "
-        "setOptimizer()"),
+        IMPLEMENTED, "unexpected param-group attributes given to "
+        "setOptimizer() are logged at DEBUG instead of warned about once"),
     "replicationFactor": Effect(
         IMPLEMENTED, "each replica processes its slice of every call's data "
-        "(semantics.md)"),
+        "(semantics.md); the replicas of a step run as one vectorised "
+        "computation"),
     "setAvailableMemoryProportion": Effect(
         NO_EFFECT, "IPU tile memory budgets do not exist; PyTorch chooses "
         "its own kernels"),
+    "setBackend": Effect(
+        IMPLEMENTED, "chooses how captured steps run (graph, inductor, "
+        "aot_eager) and whether CUDA devices replay each call as a CUDA "
+        "graph; not in PopTorch's API"),
     "setExecutionStrategy": Effect(
         STORED, "takes effect with execution strategies (pipelined, "
         "sharded, phased)"),
     "showCompilationProgressBar": Effect(
-        STORED, "takes effect with the compilation progress bar"),
+        IMPLEMENTED, "a tqdm progress bar is shown on stderr while "
+        "compiling"),
     "sourceLocationExcludes": _SOURCE_LOCATIONS,
     "syncPattern": Effect(
         NO_EFFECT, "IPU/host synchronisation patterns do not exist"),
@@ -123,8 +136,8 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         NO_EFFECT, "there is no IPU to simulate; the model runs on its "
         "PyTorch device"),
     "useOfflineIpuTarget": Effect(
-        STORED, "takes effect with precompilation (compileAndExport); it "
-        "also sets connectionType(Never)"),
+        IMPLEMENTED, "sets connectionType(Never): models compile and export "
+        "(compileAndExport) but do not run; poptorch.load runs them"),
     "Training.gradientAccumulation": Effect(
         IMPLEMENTED, "each optimizer step accumulates this many "
         "micro-batches"),
@@ -132,10 +145,14 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         IMPLEMENTED, "Mean averages, Sum adds the gradients of accumulated "
         "micro-batches and replicas"),
     "Training.setMeanAccumulationAndReplicationReductionStrategy": Effect(
-        STORED, "takes effect with the mean reduction strategy of "
-        "gradient accumulation"),
+        IMPLEMENTED, "Running keeps the gradient buffer as the running mean, "
+        "Post divides the sum at the end, PostAndLoss (deprecated) divides "
+        "the loss by the replicas and the sum by the accumulation; the "
+        "default is Running for a float16 accum_type, else Post"),
     "Training.setAutomaticLossScaling": Effect(
-        STORED, "takes effect with automatic loss scaling"),
+        IMPLEMENTED, "a dynamic loss scale kept on the device: a step whose "
+        "gradients overflow is skipped and halves it, 2000 finite steps in a "
+        "row double it; read it as model.current_loss_scale"),
     "Training.setConvolutionDithering": Effect(
         NO_EFFECT, "convolution tile placement is specific to the IPU"),
     "Precision.autocastEnabled": Effect(
@@ -165,7 +182,10 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "TensorLocations.numIOTiles": _IO_TILES,
     "TensorLocations.setActivationLocation": _TENSOR_LOCATIONS,
     "TensorLocations.setWeightLocation": _TENSOR_LOCATIONS,
-    "TensorLocations.setOptimizerLocation": _TENSOR_LOCATIONS,
+    "TensorLocations.setOptimizerLocation": Effect(
+        IMPLEMENTED, "on CUDA, useOnChipStorage(False) keeps optimizer state "
+        "in pinned host memory between calls; no effect on a CPU device "
+        "(logged once)"),
     "TensorLocations.setAccumulatorLocation": _TENSOR_LOCATIONS,
     "TensorLocationSettings.useOnChipStorage": _TENSOR_LOCATIONS,
     "TensorLocationSettings.useReplicatedTensorSharding": _TENSOR_LOCATIONS,
@@ -849,6 +869,8 @@ class Options(_OptionsGroup):
         "input_group_size": 1,
         "input_group_type": CommGroupType.Consecutive,
         "executable_cache_dir": _UNSET,
+        "backend": _UNSET,
+        "cuda_graphs": False,
         "show_compilation_progress_bar": True,
         "module_namescope": True,
         "source_location_excludes": ["torch/", "poptorch/", "<frozen"],
@@ -1007,6 +1029,18 @@ class Options(_OptionsGroup):
             return explicit
         return os.environ.get("POPTORCH_CACHE_DIR") or None
 
+    @property
+    def backend(self) -> str:
+        """The backend given to ``setBackend``, else ``POPTORCH_BACKEND``
+        when it is set now, else ``"auto"``."""
+        from ._impl.backends.selection import requested_backend
+        explicit = self._values["backend"]
+        return requested_backend(None if explicit is _UNSET else explicit)
+
+    cuda_graphs = _read_only(
+        "cuda_graphs", "Whether calls on CUDA devices replay as one CUDA "
+        "graph (default False).")
+
     # Setters ----------------------------------------------------------------
 
     def deviceIterations(self, device_iterations: int) -> "Options":
@@ -1122,6 +1156,23 @@ class Options(_OptionsGroup):
         cache_dir = _path_or_none("enableExecutableCaching", path)
         return self._store("enableExecutableCaching",
                            executable_cache_dir=cache_dir)
+
+    def setBackend(self, backend: str = "auto",
+                   cuda_graphs: bool = False) -> "Options":
+        """How the captured steps run (an extension of PopTorch's API):
+        ``"graph"`` runs the captured graph, ``"inductor"`` compiles it with
+        TorchInductor, ``"aot_eager"`` runs AOTAutograd's functionalized
+        graph (for debugging) and ``"auto"`` picks the default for the
+        device. Takes precedence over ``POPTORCH_BACKEND``. With
+        ``cuda_graphs=True`` a model on a CUDA device replays each call's
+        whole loop as one CUDA graph (no effect on the CPU)."""
+        from ._impl.backends.selection import backend_choices
+        if backend not in backend_choices():
+            raise _invalid("setBackend backend", "one of " + ", ".join(
+                repr(choice) for choice in backend_choices()), backend)
+        _check_bool("setBackend cuda_graphs", cuda_graphs)
+        return self._store("setBackend", backend=backend,
+                           cuda_graphs=cuda_graphs)
 
     def showCompilationProgressBar(self, show: bool = True) -> "Options":
         """Show or hide a progress bar while compiling (shown by default)."""

@@ -205,6 +205,7 @@ def test_async_distributed_parts_equal_sync_parts():
         loader.terminate()
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_rebatching_keeps_samples_plain_worker_batching_drops():
     """7 workers, combined batch 4, 100 samples: each worker's 14 or 15
     samples end with an incomplete batch that plain batching drops."""
@@ -223,6 +224,7 @@ def test_rebatching_keeps_samples_plain_worker_batching_drops():
     rebatched.terminate()
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_rebatched_batches_are_torch_stream_cut_into_combined_batches():
     dataset = RangeStream(30)
     stream = torch.cat(list(torch.utils.data.DataLoader(
@@ -413,7 +415,8 @@ def test_unpicklable_dataset_fails_at_construction_naming_the_strategy():
     class LocalDataset(SampleDataset):
         pass
 
-    for strategy in (SharingStrategy.ForkServer, SharingStrategy.FileSystem):
+    for strategy in (SharingStrategy.ForkServer, SharingStrategy.FileSystem,
+                     SharingStrategy.SharedMemory):
         with pytest.raises(Error) as caught:
             AsynchronousDataAccessor(LocalDataset(3),
                                      sharing_strategy=strategy)

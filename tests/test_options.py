@@ -22,6 +22,7 @@ DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "options.md"
 
 _ENVIRONMENT = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "RANK",
                 "WORLD_SIZE", "POPTORCH_IPU_MODEL", "POPTORCH_CACHE_DIR",
+                "POPTORCH_BACKEND",
                 "POPTORCH_DEFAULT_OPTIONS")
 
 
@@ -64,6 +65,7 @@ EXAMPLE_CALLS = {
     "relaxOptimizerAttributesChecks": (),
     "replicationFactor": (2,),
     "setAvailableMemoryProportion": ({"IPU0": 0.3},),
+    "setBackend": ("inductor", True),
     "setExecutionStrategy": (_Strategy(),),
     "showCompilationProgressBar": (False,),
     "sourceLocationExcludes": (["mylib/"],),

@@ -26,10 +26,13 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
 from . import losses
+from .compile_errors import capture_error
+from .names import module_scopes
 from .weight_sync import host_reads_suspended
 
 _capturing = [0]
@@ -55,7 +58,8 @@ def capture_scope(module: torch.nn.Module,
     saved = {name: dict(m.__dict__) for name, m in modules.items()}
     _capturing[0] += 1
     try:
-        with host_reads_suspended(), fx_traceback.preserve_node_meta():
+        with host_reads_suspended(), fx_traceback.preserve_node_meta(), \
+                module_scopes(modules):
             for name, flag in training_flags.items():
                 if name in modules:
                     modules[name].training = flag
@@ -69,8 +73,15 @@ def capture_scope(module: torch.nn.Module,
 
 def trace(fn: Callable, example_inputs: Sequence[torch.Tensor]
           ) -> torch.fx.GraphModule:
-    """A graph of ``fn`` over flat tensor inputs."""
-    graph_module = make_fx(fn, tracing_mode="fake")(*example_inputs)
+    """A graph of ``fn`` over flat tensor inputs.
+
+    The fake tensors have static shapes and no shape environment, so
+    anything that needs their data (``.item()``, a data-dependent output
+    shape) raises instead of entering the graph as a symbolic value."""
+    fake_mode = FakeTensorMode(allow_fallback_kernels=True,
+                               static_shapes=True)
+    fake_inputs = [fake_mode.from_tensor(t) for t in example_inputs]
+    graph_module = make_fx(fn, tracing_mode="fake")(*fake_inputs)
     _remove_detaches(graph_module.graph)
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
@@ -140,9 +151,28 @@ def _nodes_in(value) -> List[torch.fx.Node]:
     return [v for v in values if isinstance(v, torch.fx.Node)]
 
 
+# Batch normalisation kernels update running_mean and running_var (argument
+# positions 3 and 4) in place when ``training`` (position 5) is True, but
+# their schemas do not declare the write.
+_UNDECLARED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+
+
+def _undeclared_writes(node: torch.fx.Node) -> List[torch.fx.Node]:
+    positions = _UNDECLARED_WRITES.get(node.target, ())
+    if not positions or len(node.args) < 6 or node.args[5] is not True:
+        return []
+    return [node.args[p] for p in positions
+            if isinstance(node.args[p], torch.fx.Node)]
+
+
 def _written_placeholders(graph: torch.fx.Graph) -> List[int]:
     """Indices of the inputs the graph writes to, directly or through views,
-    read from the operators' schemas (``Tensor(a!)`` arguments)."""
+    read from the operators' schemas (``Tensor(a!)`` arguments) and from
+    ``_UNDECLARED_WRITES``."""
     root = {node: i for i, node in enumerate(_placeholders(graph))}
     written = set()
     for node in graph.nodes:
@@ -154,6 +184,8 @@ def _written_placeholders(graph: torch.fx.Graph) -> List[int]:
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             continue
+        written.update(root[arg] for arg in _undeclared_writes(node)
+                       if arg in root)
         alias_roots = {}
         for argument, value in _schema_arguments(node):
             info = argument.alias_info
@@ -260,8 +292,7 @@ def trace_user_code(fn: Callable, example_inputs) -> torch.fx.GraphModule:
     except Error:
         raise
     except Exception as error:
-        raise Error(f"The model could not be captured into a static graph: "
-                    f"{type(error).__name__}: {error}") from error
+        raise capture_error(error) from error
 
 
 def split_flat(flat: Sequence, sizes: Sequence[int]) -> List[list]:

@@ -2,8 +2,8 @@
 micro-batch steps here without returning to the user (semantics.md, "One call
 of a wrapped model").
 
-Replicas run one after another on the one device; each replica reads its own
-slice of the data. Training sums the gradients of the G x R micro-batches of a
+Each replica step reads its own slice of the data; on the vectorised replica
+path (``replication.py``) one step covers all the replicas. Training sums the gradients of the G x R micro-batches of a
 step in a running sum that starts at zero and applies one optimizer update on
 the last micro-batch; buffers change on every micro-batch.
 """
@@ -28,7 +28,7 @@ class TrainingSteps:
     update: CompiledStep                # the last micro-batch of a step
     accumulate: Optional[CompiledStep]  # the others (None when G x R == 1)
     written_buffers: List[int]
-    zeros: List[torch.Tensor]           # the running sum's start value
+    zeros: List[torch.Tensor]           # the running buffer's start value
 
 
 def _store_buffers(buffers: List[torch.Tensor], written: List[int],
@@ -83,8 +83,9 @@ def run_training(steps: TrainingSteps, state: TrainingState,
                                               *state.hyper, *running, *micro)
                     _store_buffers(buffers, steps.written_buffers,
                                    result[:written])
-                    running = result[written:written + trained]
-                    outputs = result[written + trained:]
+                    end = written + len(steps.zeros)
+                    running = result[written:end]
+                    outputs = result[end:]
                 else:
                     extra = running if steps.accumulate is not None else []
                     result = steps.update(*head, *state.optimizer,

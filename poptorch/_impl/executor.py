@@ -15,26 +15,31 @@ from torch.utils import _pytree as pytree
 from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
-from . import capture, device_loop, weight_sync
-from .backends import get_backend
+from . import (capture, device_loop, distributed, replica_grouping,
+               replication, weight_sync)
+from .backends.cuda_graphs import CudaGraphCall, cuda_graph_reason
+from .compile_session import compile_session
+from .compiled_methods import CompiledExecutionMethods
+from .perf_counters import CallTimer
 from .batching import BatchLayout
 from .capture import ModelCall
 from .device_state import DeviceState
 from .devices import select_device
-from .logger import info_once, logger
-from .optimizers.plan import OptimizerPlan, plan_optimizer
+from .logger import info_once, logger, warn_once
+from .optimizers import device_state as optimizer_state_dict
+from .optimizers.device_state import OptimizerDeviceState
+from .optimizers.global_attributes import GlobalAttributes
+from .optimizers.gradient_reduction import GradientReduction
+from .optimizers.plan import (OptimizerPlan, plan_optimizer,
+                              unexpected_attributes)
+from .optimizers.state_location import OptimizerStateLocation
 from .outputs import (OutputCollector, as_training_outputs,
                       check_return_period, resolve_output_mode)
 from .rng import ModelRng
 from .signature import CallArguments, InputSignature
-from .training_step import StepSettings, TrainingLayout, trace_training_step
+from .training_step import StepSettings, TrainingLayout
 
-_NOT_YET = ("{name} is not available yet in this implementation of PopTorch "
-            "(precompilation, executable export and tensor names come with "
-            "the compiled-execution work).")
-
-
-class PoplarExecutor:
+class PoplarExecutor(CompiledExecutionMethods):
     """Wrapper around a ``torch.nn.Module`` compiled for the device.
 
     Do not create it directly: use ``poptorch.trainingModel`` or
@@ -63,6 +68,8 @@ class PoplarExecutor:
         self._plan: Optional[OptimizerPlan] = (
             plan_optimizer(optimizer, _host_params(module))
             if training else None)
+        if training:
+            optimizer_state_dict.link(optimizer, self)
         self._sync = weight_sync.attach(module)
         self._sync.register(self, training, type(module).__name__)
         self._registered = True
@@ -71,11 +78,15 @@ class PoplarExecutor:
 
     def _reset_compiled_state(self) -> None:
         self._compiled = False
+        self._optimizer_state: Optional[OptimizerDeviceState] = None
         self._attached = False
         self._signature: Optional[InputSignature] = None
         self._state: Optional[DeviceState] = None
         self._loaded_version = -1
         self._rng: Optional[ModelRng] = None
+        self._session = None
+        self._timer: Optional[CallTimer] = None
+        self._cuda_graph_call: Optional[CudaGraphCall] = None
 
     # --- attribute delegation -------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -126,11 +137,20 @@ class PoplarExecutor:
         if not self._compiled:
             self._compile(CallArguments(self._module.forward, args, kwargs))
 
-    def _compile(self, call: CallArguments) -> None:
+    def _compile(self, call: CallArguments, precompiled=None,
+                 precompiled_source: str = "") -> None:
+        """Capture and compile for ``call``; ``precompiled`` steps (read
+        from an exported file) replace compilation when they match."""
+        with compile_session(self._options, self._training, precompiled,
+                             precompiled_source) as self._session:
+            self._capture_and_compile(call)
+
+    def _capture_and_compile(self, call: CallArguments) -> None:
         start = time.perf_counter()
         layout = self._batch_layout()
         for position in call.tensor_positions():
             layout.check(call.paths[position], call.leaves[position])
+        replication.check_layout(layout)
         mode = resolve_output_mode(self._options.output_mode, self._training)
         check_return_period(mode, self._options.output_return_period,
                             layout.device_iterations *
@@ -143,24 +163,32 @@ class PoplarExecutor:
         device = select_device(self._options.use_ipu_model)
         with weight_sync.host_reads_suspended():
             state = DeviceState(self._module, device, self._buffer_sets())
+            grouped = replica_grouping.collect(
+                self._module, state.param_names, layout.replicas)
+        grouped.check_rows(state.params)
         model_call = ModelCall(self._module, state.param_names,
                                state.buffer_names, call.spec,
                                list(call.leaves), call.tensor_positions())
         inputs = [layout.split(t.to(device)) for t in _tensors(call)]
         micro = [(t if t.dim() == 0 else t[0, 0, 0]).clone() for t in inputs]
-        analysis = capture.analyse(model_call, state.params, state.buffers[0],
-                                   micro, self._training,
+        analysis = capture.analyse(model_call, grouped.replica_params(
+            state.params), state.buffers[0], micro, self._training,
                                    self._training_flags)
+        self._replicas = replication.ReplicaExecution.choose(
+            layout, analysis, self._training, grouped,
+            per_replica_buffers=self._buffer_sets() == layout.replicas)
         if self._training:
-            self._compile_training(model_call, analysis, state, micro, layout)
+            self._compile_training(model_call, analysis, state, micro, layout,
+                                   inputs)
         else:
-            self._compile_inference(model_call, analysis, state, micro)
+            self._compile_inference(model_call, analysis, state, inputs)
+        replica_grouping.mark_compiled(self._module, True)
         self._analysis = analysis
         self._output_mode = mode
         self._layout = layout
         self._state = state
         self._signature = InputSignature(call)
-        self._rng = ModelRng(device, self._options.random_seed)
+        self._rng = ModelRng(device, distributed.process_seed(self._options))
         self._loaded_version = self._sync.version
         self._compiled = True
         self._destroyed = False
@@ -170,20 +198,20 @@ class PoplarExecutor:
                      "training" if self._training else "inference",
                      time.perf_counter() - start, device)
 
-    def _compile_inference(self, model_call, analysis, state, micro) -> None:
-        graph = capture.trace_inference_step(
-            model_call, analysis, state.params, state.buffers[0], micro,
+    def _compile_inference(self, model_call, analysis, state, inputs) -> None:
+        graph, example = self._replicas.trace_inference(
+            model_call, state.params, state.buffers, inputs,
             self._training_flags)
-        backend = get_backend("graph")
-        example = state.params + state.buffers[0] + micro
+        graph = self._session.graph("inference", graph)
         self._steps = device_loop.InferenceSteps(
-            backend.compile(graph, example), analysis.written_buffers)
+            self._session.compile("inference", graph),
+            analysis.written_buffers)
         self._graphs = {"inference": graph}
 
     def _compile_training(self, model_call, analysis, state, micro,
-                          layout: BatchLayout) -> None:
-        if analysis.written_buffers and self._buffer_sets() == 1 \
-                and layout.replicas > 1:
+                          layout: BatchLayout, inputs) -> None:
+        if analysis.written_buffers and self._buffer_sets() == 1 and \
+                layout.replicas * self._options.Distributed.numProcesses > 1:
             raise Error(
                 "The model writes to its buffers during training "
                 f"({', '.join(state.buffer_names[i] for i in analysis.written_buffers)}) "
@@ -195,39 +223,43 @@ class PoplarExecutor:
                                         len(state.params))
         host_params = _host_params(self._module)
         trainable = [state.params[i] for i in training.trainable]
-        torch_states = [self._optimizer.state.get(host_params[i], {})
-                        for i in training.trainable]
-        state.optimizer = training.initial_state(trainable, torch_states)
-        self._hyper = training.hyper_values(self._plan, state.device)
         settings = StepSettings(
-            micro_batches_per_step=layout.gradient_accumulation *
-            layout.replicas,
-            reduction=self._options.Training
-            .accumulation_and_replication_reduction_type,
-            loss_scaling=float(self._plan.loss_scaling),
-            max_grad_norm=self._plan.max_grad_norm)
+            gradients=GradientReduction.build(
+                self._options.Training, layout.gradient_accumulation,
+                layout.replicas, self._plan.accum_dtype),
+            attributes=GlobalAttributes.build(
+                self._plan, self._options.Training.auto_loss_scaling))
+        self._optimizer_state = OptimizerDeviceState(
+            training, [host_params[i] for i in training.trainable], state,
+            settings.attributes)
+        state.optimizer = self._optimizer_state.initial(self._optimizer,
+                                                        self._plan)
+        self._hyper = self._optimizer_state.hyper_values(self._plan)
+        self._state_location = OptimizerStateLocation(
+            self._options.TensorLocations.optimizer_location, state.device)
+        processes = distributed.start_training(
+            self._options, state, micro, bool(self._replicas.grouped))
         example = {"trainable": trainable,
                    "frozen": [state.params[i] for i in training.frozen],
                    "buffers": state.buffers[0], "state": state.optimizer,
                    "hyper": self._hyper, "inputs": micro}
-        accumulate = settings.micro_batches_per_step > 1
-        backend = get_backend("graph")
-        graphs = {"update": trace_training_step(
-            model_call, analysis, training, settings, example,
-            self._training_flags, update=True, accumulated=accumulate)}
+        accumulate = settings.gradients.accumulates
+        graphs = {"update": self._replicas.trace_training(
+            model_call, training, settings, example, state.buffers, inputs,
+            self._training_flags, update=True, accumulated=accumulate,
+            reduce_gradients=processes.reduce_gradients(settings.reduction))}
         if accumulate:
-            graphs["accumulate"] = trace_training_step(
-                model_call, analysis, training, settings, example,
-                self._training_flags, update=False, accumulated=True)
-        flat = (trainable + example["frozen"] + example["buffers"] +
-                state.optimizer + self._hyper)
-        compiled = {name: backend.compile(graph, flat) for name, graph
-                    in graphs.items()}
+            graphs["accumulate"] = self._replicas.trace_training(
+                model_call, training, settings, example, state.buffers,
+                inputs, self._training_flags, update=False, accumulated=True)
+        graphs = {name: self._session.graph(name, graph)
+                  for name, graph in graphs.items()}
+        compiled = {name: self._session.compile(name, graph)
+                    for name, graph in graphs.items()}
         self._steps = device_loop.TrainingSteps(
             update=compiled["update"], accumulate=compiled.get("accumulate"),
             written_buffers=analysis.written_buffers,
-            zeros=[torch.zeros_like(p) for p in trainable] if accumulate
-            else [])
+            zeros=settings.gradients.start(trainable) if accumulate else [])
         self._training_layout = training
         self._graphs = graphs
 
@@ -272,43 +304,83 @@ class PoplarExecutor:
             self.attachToDevice()
 
     def _run(self, call: CallArguments):
-        state = self._state
         layout = self._layout
         host_inputs = _tensors(call)
-        device_inputs = [t.to(state.device, non_blocking=True)
+        timer = CallTimer(len(host_inputs), layout.device_iterations,
+                          layout.gradient_accumulation)
+        device_inputs = [t.to(self._state.device,
+                              non_blocking=True).contiguous()
                          for t in host_inputs]
         split = [layout.split(t) for t in device_inputs]
-        collector = OutputCollector(
-            self._output_mode, self._options.output_return_period,
-            layout.device_iterations * layout.gradient_accumulation,
-            layout.replicas)
+        timer.inputs_transferred()
         with self._rng.active(), torch.no_grad():
-            if self._training:
-                self._run_training(split, collector)
-            else:
-                device_loop.run_inference(self._steps, state.params,
-                                          state.buffers, split, layout,
-                                          collector)
+            outputs = self._device_call(split, timer)
             for index in self._analysis.written_inputs:
                 if device_inputs[index] is not host_inputs[index]:
                     host_inputs[index].copy_(device_inputs[index])
-        return self._shape_outputs(collector.result())
+        if self._training:
+            self._sync.trained_on_device()
+            self._loaded_version = self._sync.version
+        result = self._shape_outputs(outputs)
+        timer.outputs_transferred(len(outputs))
+        self._timer = timer
+        return result
 
-    def _run_training(self, split, collector) -> None:
+    def _device_call(self, split: List[torch.Tensor],
+                     timer: Optional[CallTimer]) -> List[torch.Tensor]:
+        """Run one call's loop (replayed as a CUDA graph when enabled);
+        return the combined output tensors."""
+        if self._cuda_graph_call is None:
+            reason = cuda_graph_reason(
+                self._state.device, self._options.cuda_graphs,
+                bool(self._analysis.written_inputs),
+                bool(self._session.anchors),
+                self._training and self._state_location.off_chip)
+            if reason is None:
+                self._cuda_graph_call = CudaGraphCall(
+                    self._device_loop, *self._state_io())
+        if self._cuda_graph_call is not None:
+            return self._cuda_graph_call(split)
+        return self._device_loop(split, timer)
+
+    def _device_loop(self, split: List[torch.Tensor],
+                     timer: Optional[CallTimer] = None) -> List[torch.Tensor]:
+        layout = self._layout
+        collector = self._session.anchors.collector(
+            OutputCollector(
+                self._output_mode, self._options.output_return_period,
+                layout.device_iterations * layout.gradient_accumulation,
+                layout.replicas),
+            self._output_mode, self._training,
+            layout.device_iterations * layout.gradient_accumulation,
+            layout.replicas)
+        if timer is not None:
+            collector = timer.collector(collector)
+        with self._replicas.loop(split, self._state.buffers,
+                                 collector) as loop:
+            if self._training:
+                self._run_training(loop)
+            else:
+                device_loop.run_inference(self._steps, self._state.params,
+                                          loop.buffer_sets, loop.inputs,
+                                          loop.layout, loop.collector)
+        return collector.result()
+
+    def _run_training(self, loop: replication.LoopArguments) -> None:
         state = self._state
         training = self._training_layout
         loop_state = device_loop.TrainingState(
             trainable=[state.params[i] for i in training.trainable],
             frozen=[state.params[i] for i in training.frozen],
-            buffer_sets=state.buffers, optimizer=state.optimizer,
+            buffer_sets=loop.buffer_sets,
+            optimizer=self._state_location.to_device(state.optimizer,
+                                                     state.device),
             hyper=self._hyper)
-        device_loop.run_training(self._steps, loop_state, split,
-                                 self._layout, collector)
+        device_loop.run_training(self._steps, loop_state, loop.inputs,
+                                 loop.layout, loop.collector)
         for index, tensor in zip(training.trainable, loop_state.trainable):
             state.params[index] = tensor
-        state.optimizer = loop_state.optimizer
-        self._sync.trained_on_device()
-        self._loaded_version = self._sync.version
+        state.optimizer = self._state_location.to_host(loop_state.optimizer)
 
     def _shape_outputs(self, tensors: List[torch.Tensor]):
         host = [t.to("cpu") if t.device.type != "cpu" else t
@@ -340,6 +412,7 @@ class PoplarExecutor:
             self._raise_destroyed("copyWeightsToDevice")
         if not self._compiled:
             return
+        self._replicas.grouped.check_rows(_host_params(self._module))
         with weight_sync.host_reads_suspended():
             self._state.load_from_host(self._module)
         if self._training:
@@ -371,16 +444,38 @@ class PoplarExecutor:
         Hyper-parameter values (for example a learning rate changed by a
         scheduler) take effect without recompiling; a change that alters the
         compiled graph raises ``poptorch.Error`` naming the attribute.
+        Param-group attributes the optimizer does not use are warned about
+        once (logged at DEBUG with ``relaxOptimizerAttributesChecks()``).
+        The device's optimizer state carries on; ``optimizer`` becomes the
+        one whose ``state_dict()`` reads it.
         """
         if not self._training:
             raise Error("setOptimizer can only be called on a training model")
+        _report_unexpected_attributes(
+            optimizer, self._options.relax_optimizer_attributes_checks)
         plan = plan_optimizer(optimizer, _host_params(self._module))
         if self._compiled:
             _check_same_structure(self._plan, plan)
-            self._hyper = self._training_layout.hyper_values(
-                plan, self._state.device)
+            self._hyper = self._optimizer_state.hyper_values(plan)
+            self._optimizer_state.apply_loss_scaling_change(self._plan, plan)
+        optimizer_state_dict.unlink(self._optimizer, self)
+        optimizer_state_dict.link(optimizer, self)
         self._optimizer = optimizer
         self._plan = plan
+
+    @property
+    def current_loss_scale(self) -> float:
+        """The loss scale of the next optimizer step: with automatic loss
+        scaling (``opts.Training.setAutomaticLossScaling(True)``) the
+        device's current scale, else the optimizer's ``loss_scaling``."""
+        if not self._training:
+            raise Error("current_loss_scale: only training models scale "
+                        "their loss")
+        if self._optimizer_state is not None:
+            return self._optimizer_state.current_loss_scale(self._plan)
+        return GlobalAttributes.build(
+            self._plan, self._options.Training.auto_loss_scaling
+        ).initial_loss_scale(self._plan)
 
     # --- device ------------------------------------------------------------
     def attachToDevice(self) -> None:
@@ -408,6 +503,7 @@ class PoplarExecutor:
         self._attached = False
 
     def _rebuild_device_constants(self) -> None:
+        self._cuda_graph_call = None
         if self._training:
             device = self._state.device
             self._hyper = [h.to(device) for h in self._hyper]
@@ -419,9 +515,14 @@ class PoplarExecutor:
 
     def destroy(self) -> None:
         """Release the device state and the compiled graphs. Trained weights
-        are copied to the host first; calling the model compiles it again."""
+        are copied to the host first, and the optimizer state to the
+        optimizer, which the next compilation starts from; calling the model
+        compiles it again."""
         if self._compiled:
             self.copyWeightsToHostIfNeeded()
+            if self._training:
+                self._optimizer_state.keep_on_optimizer(self._optimizer)
+            replica_grouping.mark_compiled(self._module, False)
         if self._registered:
             self._sync.unregister(self)
             weight_sync.detach(self._module)
@@ -429,26 +530,12 @@ class PoplarExecutor:
         self._reset_compiled_state()
         self._destroyed = True
 
-    # --- features of later work ------------------------------------------------
+    # --- cycle counts ----------------------------------------------------------
     def cycleCount(self) -> int:
         """IPU cycle counts do not exist on CPU and GPU devices."""
         raise Error("cycleCount: there is no cycle counter on this device "
                     "(CPU/GPU); use getLatency() style timings or "
                     "torch.profiler instead")
-
-    def compileAndExport(self, filename: str, *args, export_model: bool = True,
-                         **kwargs) -> None:
-        raise Error(_NOT_YET.format(name="compileAndExport"))
-
-    def save(self, filename: str, export_model: bool = True,
-             save_rng_state: bool = True) -> None:
-        raise Error(_NOT_YET.format(name="save"))
-
-    def loadExecutable(self, filename: str) -> None:
-        raise Error(_NOT_YET.format(name="loadExecutable"))
-
-    def getTensorNames(self) -> List[str]:
-        raise Error(_NOT_YET.format(name="getTensorNames"))
 
     # --- helpers ------------------------------------------------------------
     def _require_compiled(self, what: str) -> None:
@@ -494,14 +581,27 @@ def _check_mode_options(options, training: bool) -> None:
 
 def _check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
     """Raise unless ``new`` differs from ``old`` in variable values only."""
+    old_groups = [group.indices for group in old.groups]
+    new_groups = [group.indices for group in new.groups]
+    if old_groups != new_groups:
+        raise Error(f"setOptimizer: the parameter groups changed after the "
+                    f"model was compiled (parameter indices per group "
+                    f"{old_groups} at compilation, now {new_groups}); use "
+                    f"an optimizer with the same param groups, or call "
+                    f"destroy() and compile again.")
     changed = sorted(name for name in set(old.constant_attrs) |
                      set(new.constant_attrs)
                      if old.constant_attrs.get(name) !=
                      new.constant_attrs.get(name))
     changed += [name for name in ("loss_scaling", "max_grad_norm")
-                if getattr(old, name) != getattr(new, name)]
+                if name not in old.variable_globals | new.variable_globals
+                and getattr(old, name) != getattr(new, name)]
     if changed:
         detail = f"the compile-time constant(s) {', '.join(changed)}"
+    elif old.variable_globals != new.variable_globals:
+        detail = ("which of loss_scaling / max_grad_norm are variable "
+                  f"({sorted(old.variable_globals)} at compilation, now "
+                  f"{sorted(new.variable_globals)})")
     elif old.structure() != new.structure():
         detail = "the optimizer type or its parameter groups"
     else:
@@ -510,6 +610,20 @@ def _check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
                 "compiled. Only variable attributes (such as lr) can change "
                 "after compilation; call destroy() and compile again to "
                 "change the others.")
+
+
+def _report_unexpected_attributes(optimizer: torch.optim.Optimizer,
+                                  relax: bool) -> None:
+    unexpected = unexpected_attributes(optimizer)
+    if not unexpected:
+        return
+    message = (f"Ignoring unexpected attribute(s) in the param groups of "
+               f"{type(optimizer).__name__} given to setOptimizer: "
+               f"{', '.join(unexpected)}")
+    if relax:
+        logger.debug(message)
+    else:
+        warn_once(message)
 
 
 def _rebuild_executor(module, options, training, optimizer):

@@ -60,6 +60,13 @@ def _define_identity_op(name: str, schema: str,
         return (gradient(grad, *ctx.arguments),) + (None,) * len(ctx.arguments)
 
     op.register_autograd(backward, setup_context=setup_context)
+
+    def batched(info, in_dims, tensor, *args):
+        """Under vmap (vectorised replicas) the op applies to the whole
+        batched tensor at once."""
+        return op(tensor, *args), in_dims[0]
+
+    op.register_vmap(batched)
     return op
 
 

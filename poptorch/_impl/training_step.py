@@ -2,19 +2,25 @@
 traced into the graph), gradient reduction and the optimizer's update, built for capture by ``capture.trace``.
 
 Flat inputs, in order: trainable parameters (those the optimizer updates and
-the final loss depends on), the other parameters, buffers, optimizer state,
-hyper-parameters (0-d float64 tensors, so new values need no new capture
-and the scalar maths matches torch.optim's Python doubles), the
-running gradient sum (accumulating variants only), the micro-batch.
+the final loss depends on), the other parameters, buffers, optimizer state
+(the param groups', then automatic loss scaling's), hyper-parameters (0-d
+float64 tensors, so new values need no new capture and the scalar maths
+matches torch.optim's Python doubles; the param groups', then the variable
+optimizer-wide ``loss_scaling`` / ``max_grad_norm``), the running gradient
+buffer (accumulating variants only), the micro-batch.
 Outputs: new trainable parameters, written buffers, new optimizer state and the
 model's output tensors — or, for the accumulate variant, written buffers, the
-new gradient sum and the outputs.
+new gradient buffer and the outputs.
 
-Gradients of the G x R micro-batches of one optimizer step are summed, then
-divided by G x R for ``ReductionType.Mean`` (semantics.md).
+The gradients of the G x R micro-batches of one optimizer step are combined
+in a buffer of the optimizer's ``accum_type`` and reduced per
+``ReductionType`` and ``MeanReductionStrategy`` (semantics.md;
+``optimizers/gradient_reduction.py``); loss scaling, automatic loss scaling
+and clipping are in ``optimizers/global_attributes.py``.
 """
 import dataclasses
-from typing import Dict, List, Sequence
+import functools
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -23,8 +29,10 @@ from . import losses
 from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace_user_code)
+from .optimizers.global_attributes import GlobalAttributes, StepScaling
+from .optimizers.gradient_reduction import GradientReduction
 from .optimizers.plan import OptimizerPlan
-from .optimizers.rule import UpdateRule, clip_grad_norm
+from .optimizers.rule import UpdateRule
 
 
 # Hyper-parameter names whose optimizer attribute has another name.
@@ -84,6 +92,11 @@ class TrainingLayout:
         return sum(len(g.rule.state_names) * len(g.positions)
                    for g in self.groups)
 
+    def hyper_size(self) -> int:
+        """Hyper-parameter inputs of the param groups (the optimizer-wide
+        ones follow them)."""
+        return sum(len(g.variable_hyper) for g in self.groups)
+
 
     def initial_state(self, params: List[torch.Tensor],
                       torch_states: List[Dict]) -> List[torch.Tensor]:
@@ -119,22 +132,24 @@ class TrainingLayout:
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
     """Compile-time constants of the training step."""
-    micro_batches_per_step: int          # G x R
-    reduction: ReductionType
-    loss_scaling: float
-    max_grad_norm: object                # float or None
+    gradients: GradientReduction     # the running buffer and its reduction
+    attributes: GlobalAttributes     # loss scaling and clipping
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """G x R."""
+        return self.gradients.micro_batches
+
+    @property
+    def reduction(self) -> ReductionType:
+        return self.gradients.reduction
 
 
 def _apply_update(layout: TrainingLayout, settings: StepSettings,
-                  trainable, grads, state, hyper):
-    scale = 1.0
-    if settings.reduction == ReductionType.Mean:
-        scale *= settings.micro_batches_per_step
-    scale *= settings.loss_scaling
-    if scale != 1.0:
-        grads = torch._foreach_div(grads, scale)
-    if settings.max_grad_norm is not None:
-        grads = clip_grad_norm(grads, settings.max_grad_norm)
+                  scaling: StepScaling, trainable, grads, state, hyper):
+    grads = scaling.unscale(grads, settings.gradients.divisor())
+    finite = scaling.finite(grads)
+    grads = scaling.clip(grads)
     new_params = list(trainable)
     new_state = []
     hyper_start = 0
@@ -152,20 +167,46 @@ def _apply_update(layout: TrainingLayout, settings: StepSettings,
             new_params[p] = tensor
         for name in group.rule.state_names:
             new_state.extend(updated_state[name])
-    return new_params, new_state
+    return scaling.finish(finite, trainable, new_params,
+                          state[:layout.state_size()], new_state)
+
+
+def micro_batch_forward(call: ModelCall, analysis: ModelAnalysis,
+                        params: List[torch.Tensor],
+                        buffers: List[torch.Tensor],
+                        inputs: List[torch.Tensor]):
+    """One micro-batch's forward pass: (the scalar the backward pass starts
+    from, the model's output tensors, the new values of written buffers)."""
+    buffers = clone_written(buffers, analysis.written_buffers)
+    with losses.LossRecorder() as recorder:
+        output = call(params, buffers, inputs)
+    loss = recorder.losses[analysis.final_loss]
+    value = loss if loss.dim() == 0 else loss.sum()
+    return (value, tensor_outputs(output),
+            [buffers[i] for i in analysis.written_buffers])
 
 
 def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
                         layout: TrainingLayout, settings: StepSettings,
                         example: Dict[str, List[torch.Tensor]],
                         training_flags: Dict[str, bool], update: bool,
-                        accumulated: bool) -> torch.fx.GraphModule:
+                        accumulated: bool,
+                        forward: Optional[Callable] = None,
+                        reduce_gradients: Optional[Callable] = None
+                        ) -> torch.fx.GraphModule:
     """Trace one micro-batch step; ``update`` selects the optimizer-step
-    variant, ``accumulated`` whether a running gradient sum is an input."""
+    variant, ``accumulated`` whether a running gradient sum is an input.
+    ``forward(params, buffers, inputs)`` replaces ``micro_batch_forward``
+    (replicas run it vectorised, see ``replication.py``);
+    ``reduce_gradients(grads)`` combines the step's gradients with other
+    processes' before the update (``distributed/``)."""
+    if forward is None:
+        forward = functools.partial(micro_batch_forward, call, analysis)
+    running = (settings.gradients.start(example["trainable"])
+               if accumulated else [])
     sizes = [len(example["trainable"]), len(example["frozen"]),
              len(example["buffers"]), len(example["state"]),
-             len(example["hyper"]),
-             len(example["trainable"]) if accumulated else 0]
+             len(example["hyper"]), len(running)]
 
     def merge(trainable, frozen):
         params = [None] * (len(trainable) + len(frozen))
@@ -178,32 +219,31 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     def step(*flat):
         trainable, frozen, buffers, state, hyper, running, inputs = split_flat(
             flat, sizes)
+        scaling = settings.attributes.bind(hyper[layout.hyper_size():],
+                                           state[layout.state_size():])
 
         trainable = [t.detach().requires_grad_() for t in trainable]
         with torch.enable_grad():
-            buffers = clone_written(buffers, analysis.written_buffers)
-            with losses.LossRecorder() as recorder:
-                output = call(merge(trainable, frozen), buffers, inputs)
-            loss = recorder.losses[analysis.final_loss]
-            value = loss if loss.dim() == 0 else loss.sum()
-            if settings.loss_scaling != 1.0:
-                value = value * settings.loss_scaling
+            value, outputs, written = forward(merge(trainable, frozen),
+                                              buffers, inputs)
+            value = scaling.scale_loss(value,
+                                       settings.gradients.loss_factor())
             grads = torch.autograd.grad(value, trainable, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g
                  for p, g in zip(trainable, grads)]
-        outputs = [t.detach() for t in tensor_outputs(output)]
-        written = [buffers[i] for i in analysis.written_buffers]
+        outputs = [t.detach() for t in outputs]
         trainable = [t.detach() for t in trainable]
         if accumulated:
-            grads = list(torch._foreach_add(running, grads))
+            grads = settings.gradients.add(running, grads)
         if not update:
             return written + grads + outputs
-        new_params, new_state = _apply_update(layout, settings, trainable,
-                                              grads, state, hyper)
+        grads = settings.gradients.gradients(grads)
+        if reduce_gradients is not None:
+            grads = reduce_gradients(grads)
+        new_params, new_state = _apply_update(
+            layout, settings, scaling, trainable, grads, state, hyper)
         return new_params + written + new_state + outputs
 
-    running = ([torch.zeros_like(p) for p in example["trainable"]]
-               if accumulated else [])
     flat = (example["trainable"] + example["frozen"] + example["buffers"] +
             example["state"] + example["hyper"] + running + example["inputs"])
     with capture_scope(call.module, training_flags):

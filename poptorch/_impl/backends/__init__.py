@@ -1,7 +1,16 @@
 """Backends run captured graphs. Each one turns an FX graph over flat tensor
 inputs into a callable returning the flat outputs; the device loop does not
-know which backend it calls."""
-from . import graph  # noqa: F401  (registers the backend)
-from .backend import Backend, get_backend
+know which backend it calls.
 
-__all__ = ["Backend", "get_backend"]
+* ``graph`` runs the captured graph as it is (no compile time);
+* ``inductor`` compiles it with TorchInductor;
+* ``aot_eager`` runs AOTAutograd's functionalized graph (debugging).
+
+``selection`` picks one per model; ``cuda_graphs`` replays a whole call as
+one CUDA graph on CUDA devices.
+"""
+from . import aot_eager, graph, inductor  # noqa: F401  (register backends)
+from .backend import Backend, get_backend
+from .selection import select_backend
+
+__all__ = ["Backend", "get_backend", "select_backend"]

@@ -1,6 +1,7 @@
 """The backend interface and the registry of backends by name."""
 import abc
-from typing import Callable, Dict, List, Sequence
+import contextlib
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
@@ -10,14 +11,36 @@ CompiledStep = Callable[..., Sequence[torch.Tensor]]
 
 
 class Backend(abc.ABC):
-    """Turns a captured graph into something the device loop can call."""
+    """Turns a captured graph into something the device loop can call.
+
+    A backend whose compilation is worth keeping (``keeps_executables``)
+    can also turn a compiled step into bytes and back: the executable cache
+    and exported files store those bytes so that a later process skips the
+    compilation.
+    """
 
     name: str
+    keeps_executables: bool = False
 
     @abc.abstractmethod
     def compile(self, graph: torch.fx.GraphModule,
                 example_inputs: List[torch.Tensor]) -> CompiledStep:
         """A callable taking the graph's flat inputs positionally."""
+
+    def serialize(self, step: CompiledStep) -> Optional[bytes]:
+        """The compiled step as bytes, or None when there is nothing worth
+        keeping beyond the graph itself."""
+        return None
+
+    def deserialize(self, data: bytes) -> CompiledStep:
+        """A compiled step from the bytes ``serialize`` gave."""
+        raise Error(f"The {self.name!r} backend keeps no compiled "
+                    "executables")
+
+    def storage(self, directory: Optional[str]) -> ContextManager[None]:
+        """Compile and load inside this scope to keep the backend's own
+        on-disk files (compiled kernels) in ``directory``."""
+        return contextlib.nullcontext()
 
 
 _BACKENDS: Dict[str, Backend] = {}
@@ -26,6 +49,10 @@ _BACKENDS: Dict[str, Backend] = {}
 def register(backend: Backend) -> Backend:
     _BACKENDS[backend.name] = backend
     return backend
+
+
+def backend_names() -> List[str]:
+    return sorted(_BACKENDS)
 
 
 def get_backend(name: str) -> Backend:

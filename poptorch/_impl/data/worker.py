@@ -86,15 +86,21 @@ def run_worker(source: DatasetSource, config: WorkerConfig,
     # would in the parent (None: the platform's default).
     multiprocessing.set_start_method(config.parent_start_method, force=True)
     try:
+        _serve(source, config, commands, events)
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        return  # the consumer closed its pipes: it is stopping or gone
+
+
+def _serve(source: DatasetSource, config: WorkerConfig,
+           commands: multiprocessing.connection.Connection,
+           events: multiprocessing.connection.Connection) -> None:
+    try:
         dataset = source.load()
     except Exception as error:
         events.send(("fatal", 0, ErrorReport.from_exception(error)))
         return
     torch.set_rng_state(config.rng_state)
-    try:
-        _WorkerLoop(dataset, config, commands, events).run()
-    except (BrokenPipeError, EOFError, ConnectionResetError):
-        return
+    _WorkerLoop(dataset, config, commands, events).run()
 
 
 def epoch_items(dataset: Any) -> Iterator:
@@ -108,6 +114,7 @@ def epoch_items(dataset: Any) -> Iterator:
 
 
 class _WorkerLoop:
+    """The command/load loop described in the module documentation."""
 
     def __init__(self, dataset: Any, config: WorkerConfig,
                  commands: multiprocessing.connection.Connection,

@@ -8,7 +8,14 @@
   ``OptimizerPlan`` (groups, rules, hyper-parameter values, loss scaling,
   clipping, accumulation dtype, constant attributes);
 * ``poptorch_optimizer.py``: what the poptorch.optim classes share
-  (``VariableAttributes``, extra attributes, the host ``step``).
+  (``VariableAttributes``, extra attributes, the host ``step``);
+* ``gradient_reduction.py``: the gradient buffer of accumulated micro-batches
+  (``accum_type``) and the mean reduction strategies;
+* ``global_attributes.py``: loss scaling and clipping in the step, constant
+  or runtime inputs; ``loss_scaling.py``: automatic loss scaling;
+* ``device_state.py``: a training model's optimizer state and the
+  optimizer's ``state_dict()`` / ``load_state_dict()`` reading and writing
+  it; ``state_location.py``: optimizer state in host memory between calls.
 
 This package imports nothing from ``plan`` at import time, so that
 ``poptorch.optim`` can use the rules while ``plan`` reads ``poptorch.optim``.

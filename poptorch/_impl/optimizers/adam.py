@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .rule import (in_dtype_of, is_zero_constant, sub_scaled, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
+from .rule import (add_scalar, in_dtype_of, is_zero_constant, sub_scaled, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
                    decay_average, dtypes_of, lerp, per_param,
                    sorted_constants, stacked, started_state, state_tensors,
                    step_tensors)
@@ -115,7 +115,7 @@ class AdamRule(UpdateRule):
             step_sizes = per_param(lr / correction1, like=weights)
         else:
             step_sizes = lr
-        denominator = torch._foreach_add(root, in_dtype_of(root, hyper["eps"]))
+        denominator = add_scalar(root, hyper["eps"])
         ratio = torch._foreach_div(exp_avg, denominator)
         return sub_scaled(weights, ratio, step_sizes)
 

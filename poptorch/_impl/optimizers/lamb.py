@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .adam import bias_corrections, first_and_second_moments
-from .rule import (TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
+from .rule import (TorchState, add_scalar, UpdateRule, add_scaled, cast, compute_dtypes,
                    dtypes_of, per_param, sorted_constants,
                    stacked, started_state, state_tensors, step_tensors)
 
@@ -91,7 +91,7 @@ class LAMBRule(UpdateRule):
                                          per_param(correction1, like=exp_avg))
             exp_avg_sq = torch._foreach_div(
                 exp_avg_sq, per_param(correction2, like=exp_avg_sq))
-        root = torch._foreach_add(torch._foreach_sqrt(exp_avg_sq), hyper["eps"])
+        root = add_scalar(torch._foreach_sqrt(exp_avg_sq), hyper["eps"])
         return torch._foreach_div(exp_avg, root)
 
     def _trust_ratios(self, weights: List[Tensor], update: List[Tensor],

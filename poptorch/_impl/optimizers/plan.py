@@ -10,12 +10,19 @@ optimizers, those ``variable_attrs`` marks constant plus the ones that are
 always constant (accumulation types, ``use_combined_accum``); for torch.optim
 optimizers, the constructor arguments left at their default value, except
 ``lr`` which is always variable. The executor refuses a new optimizer whose
-``constant_attrs`` differ from the compiled one's.
+``constant_attrs`` differ from the compiled one's. A poptorch.optim
+optimizer's variable ``loss_scaling`` / ``max_grad_norm`` are listed in
+``variable_globals``: the step takes them as runtime inputs.
+
+``unexpected_attributes`` names param-group keys the optimizer's class does
+not have (``setOptimizer`` warns about them once).
 """
 import dataclasses
+import functools
 import inspect
 import math
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Tuple
+from typing import (Any, Callable, Dict, FrozenSet, Hashable, List, Mapping,
+                    Optional, Tuple)
 
 import torch
 
@@ -62,18 +69,24 @@ class OptimizerPlan:
     max_grad_norm: Optional[float]
     accum_dtype: Optional[torch.dtype]
     constant_attrs: Dict[str, Any]
+    #: ``loss_scaling`` / ``max_grad_norm`` when they are variable attributes
+    #: of a poptorch.optim optimizer (runtime inputs of the step).
+    variable_globals: FrozenSet[str] = frozenset()
 
     def structure(self) -> Hashable:
         """Everything that changes the traced graph: each group's rule and
         constants, indices, hyper and state names; loss scaling and clipping
-        on or off; the accumulation dtype. Equal structures mean that only
-        hyper-parameter values (and constant attributes, which the executor
-        checks separately) differ."""
+        on, off or variable; the accumulation dtype. Equal structures mean
+        that only hyper-parameter values (and constant attributes, which the
+        executor checks separately) differ."""
         groups = tuple((type(group.rule).__qualname__, group.rule.constants,
                         group.indices, group.rule.hyper_names,
                         group.rule.state_names) for group in self.groups)
-        return (groups, self.loss_scaling != 1.0,
-                self.max_grad_norm is not None, self.accum_dtype)
+        loss_scaling = ("variable" if "loss_scaling" in self.variable_globals
+                        else self.loss_scaling != 1.0)
+        clipping = ("variable" if "max_grad_norm" in self.variable_globals
+                    else self.max_grad_norm is not None)
+        return (groups, loss_scaling, clipping, self.accum_dtype)
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -109,7 +122,8 @@ def plan_optimizer(optimizer: torch.optim.Optimizer,
         loss_scaling=float(first.get("loss_scaling", 1.0)),
         max_grad_norm=float(max_grad_norm) if math.isfinite(max_grad_norm) else None,
         accum_dtype=_accum_dtype(optimizer),
-        constant_attrs=_constant_attrs(optimizer, base))
+        constant_attrs=_constant_attrs(optimizer, base),
+        variable_globals=_variable_globals(optimizer))
 
 
 def supported_base(optimizer_class: type) -> type:
@@ -201,3 +215,33 @@ def _torch_defaulted_arguments(optimizer: torch.optim.Optimizer,
             if name in optimizer.defaults and name != "lr"
             and name not in MATHS_NEUTRAL_FLAGS
             and _plain(optimizer.defaults[name]) == _plain(parameter.default)]
+
+
+def _variable_globals(optimizer: torch.optim.Optimizer) -> FrozenSet[str]:
+    """The optimizer-wide attributes fed to the step at run time: those a
+    poptorch.optim optimizer marks variable."""
+    if not isinstance(optimizer, PoptorchOptimizer):
+        return frozenset()
+    return frozenset(name for name in ("loss_scaling", "max_grad_norm")
+                     if name in optimizer.variable_candidates
+                     and not optimizer.variable_attrs.isConstant(name))
+
+
+#: Param-group keys that torch's learning-rate schedulers add.
+SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum",
+                            "base_momentum"})
+
+
+@functools.lru_cache(maxsize=None)
+def _known_group_keys(base: type) -> FrozenSet[str]:
+    """The param-group keys an optimizer of class ``base`` is built with."""
+    probe = base([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    return frozenset(probe.param_groups[0])
+
+
+def unexpected_attributes(optimizer: torch.optim.Optimizer) -> List[str]:
+    """Param-group attributes the optimizer's class does not have (they are
+    ignored), apart from the ones learning-rate schedulers add."""
+    known = _known_group_keys(supported_base(type(optimizer))) | SCHEDULER_KEYS
+    return sorted({key for group in optimizer.param_groups for key in group
+                   if key not in known})

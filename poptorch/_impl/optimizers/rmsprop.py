@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .rule import (in_dtype_of, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
+from .rule import (add_scalar, in_dtype_of, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
                    decay_average, dtypes_of, lerp, sorted_constants,
                    started_state, state_tensors, step_tensors, sub_scaled)
 
@@ -80,11 +80,9 @@ class RMSpropRule(UpdateRule):
             variance = torch._foreach_sub(variance, torch._foreach_mul(
                 new_state["grad_avg"], new_state["grad_avg"]))
         if self.tf_variant:
-            root = torch._foreach_sqrt(torch._foreach_add(
-                variance, in_dtype_of(variance, hyper["eps"])))
+            root = torch._foreach_sqrt(add_scalar(variance, hyper["eps"]))
         else:
-            root = torch._foreach_add(torch._foreach_sqrt(variance),
-                                      in_dtype_of(variance, hyper["eps"]))
+            root = add_scalar(torch._foreach_sqrt(variance), hyper["eps"])
         normalised = torch._foreach_div(grads, root)
         if self.momentum:
             new_weights, new_state["momentum_buffer"] = self._momentum_step(

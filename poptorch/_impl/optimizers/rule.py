@@ -168,6 +168,17 @@ def in_dtype_of(tensors: Sequence[Tensor], value: Any) -> Any:
     return value
 
 
+def add_scalar(tensors: List[Tensor], value: Union[float, Tensor]
+               ) -> List[Tensor]:
+    """``tensors + value`` for a number or a 0-d tensor. A tensor goes
+    through the ``Tensor`` overload: ``torch._foreach_add`` would take it as
+    a Scalar and read its value on the host (which capture refuses)."""
+    if isinstance(value, Tensor):
+        return list(torch.ops.aten._foreach_add.Tensor(
+            list(tensors), in_dtype_of(tensors, value)))
+    return list(torch._foreach_add(tensors, value))
+
+
 def add_scaled(base: List[Tensor], other: List[Tensor],
                scale: Union[float, Tensor, List[Tensor]]) -> List[Tensor]:
     """``base + other * scale`` with a number, a 0-d tensor or one 0-d tensor

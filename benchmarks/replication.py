@@ -1,0 +1,234 @@
+"""Replication throughput.
+
+1. In one process: a training model with R = 4 replicas of micro-batch S
+   against one batch of 4 x S (plain eager PyTorch, and a poptorch model
+   with R = 1), same process, same weights and data. The vectorised replica
+   path should cost nothing over the one big batch (target >= 0.95x); the
+   sequential replica loop is shown for comparison.
+2. Processes: the same compute-bound training run as 1 process and as 2
+   processes started by ``poprun`` (one thread each, gloo gradient
+   all-reduce), in samples/s over all processes (target >= 1.7x on 2
+   cores).
+
+Run by hand: ``.venv/bin/python benchmarks/replication.py``. Prints
+markdown tables.
+"""
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import poptorch
+from poptorch._impl import replication
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 512):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(256, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, 10))
+
+    def forward(self, x, y):
+        out = self.net(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+class CNN(torch.nn.Module):
+    """With ``batch_norm``, BatchNorm statistics are per replica
+    (broadcastBuffers(False)): they couple the samples of a replica, so R
+    replicas of S are not one batch of R x S."""
+
+    def __init__(self, batch_norm: bool = False):
+        super().__init__()
+        norm = (torch.nn.BatchNorm2d(16) if batch_norm
+                else torch.nn.Identity())
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), norm,
+            torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+            torch.nn.Linear(32 * 8 * 8, 10))
+
+    def forward(self, x, y):
+        out = self.net(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def data(kind: str, rows: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (rows, 256) if kind == "mlp" else (rows, 3, 16, 16)
+    return (torch.randn(shape, generator=generator),
+            torch.randint(0, 10, (rows,), generator=generator))
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def eager_step(model, x, y):
+    """Plain PyTorch: one step on the whole batch."""
+    optimizer = _optimizer(model)
+
+    def step():
+        optimizer.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def poptorch_step(model, x, y, replicas: int, sequential: bool = False):
+    """One call of a training model: one optimizer step over R
+    micro-batches of len(x) / R rows."""
+    opts = poptorch.Options().replicationFactor(replicas)
+    opts.broadcastBuffers(False)
+    training = poptorch.trainingModel(model, opts, _optimizer(model))
+    choose = replication._path_for
+    if sequential:
+        replication._path_for = lambda *args: (replication.SEQUENTIAL,
+                                               "benchmark")
+    try:
+        training.compile(x, y)
+    finally:
+        replication._path_for = choose
+    return lambda: training(x, y)
+
+
+def timed(steps, repeats: int, calls: int):
+    """Median seconds per call of each step function, interleaved."""
+    for step in steps:
+        step()
+    times = [[] for _ in steps]
+    for _ in range(repeats):
+        for step, record in zip(steps, times):
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            record.append((time.perf_counter() - start) / calls)
+    return [statistics.median(record) for record in times]
+
+
+def in_process_table(arguments) -> None:
+    replicas, micro = 4, arguments.micro_batch
+    rows = replicas * micro
+    print(f"\n### R = {replicas} replicas of S = {micro} vs one batch of "
+          f"{rows} ({torch.get_num_threads()} threads, median of "
+          f"{arguments.repeats} x {arguments.calls} steps)\n")
+    print("| model | eager 4S samples/s | poptorch R=1, 4S | poptorch R=4 "
+          "vectorised | R=4 / eager | R=4 / poptorch R=1 | R=4 sequential "
+          "loop |")
+    print("|---|---|---|---|---|---|---|")
+    models = (("MLP", "mlp", MLP), ("CNN", "cnn", CNN),
+              ("CNN + BatchNorm", "cnn", lambda: CNN(batch_norm=True)))
+    for name, kind, build in models:
+        torch.manual_seed(0)
+        model = build()
+        x, y = data(kind, rows)
+        eager, single, vectorised, sequential = timed(
+            [eager_step(copy.deepcopy(model), x, y),
+             poptorch_step(copy.deepcopy(model), x, y, 1),
+             poptorch_step(copy.deepcopy(model), x, y, replicas),
+             poptorch_step(copy.deepcopy(model), x, y, replicas,
+                           sequential=True)],
+            arguments.repeats, arguments.calls)
+        print(f"| {name} | {rows / eager:,.0f} | {rows / single:,.0f} "
+              f"| {rows / vectorised:,.0f} | {eager / vectorised:.2f} | "
+              f"{single / vectorised:.2f} | {rows / sequential:,.0f} |")
+
+
+# --- processes -----------------------------------------------------------
+
+def worker(arguments) -> None:
+    """One process of the process benchmark: prints a JSON line with its
+    samples/s (process 0 only)."""
+    torch.set_num_threads(1)
+    import popdist
+    import popdist.poptorch
+    popdist.init()
+    opts = popdist.poptorch.Options()
+    opts.deviceIterations(arguments.iterations)
+    torch.manual_seed(0)
+    model = MLP(arguments.width)
+    training = poptorch.trainingModel(model, opts, _optimizer(model))
+    rows = arguments.iterations * arguments.micro_batch
+    x, y = data("mlp", rows, seed=popdist.getInstanceIndex())
+    training(x, y)
+    start = time.perf_counter()
+    for _ in range(arguments.calls):
+        training(x, y)
+    elapsed = time.perf_counter() - start
+    samples = arguments.calls * rows * popdist.getNumInstances()
+    if popdist.getInstanceIndex() == 0:
+        print(json.dumps({"samples_per_second": samples / elapsed}),
+              flush=True)
+
+
+def _run_workers(instances: int, arguments) -> float:
+    command = [sys.executable, __file__, "--worker",
+               "--width", str(arguments.width),
+               "--micro-batch", str(arguments.process_micro_batch),
+               "--iterations", str(arguments.iterations),
+               "--calls", str(arguments.process_calls)]
+    if instances > 1:
+        command = [sys.executable, "-m", "poptorch.run", "--num-instances",
+                   str(instances), "--num-replicas", str(instances),
+                   *command[1:]]
+    environment = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True,
+                            env=environment, check=True)
+    line = next(l for l in result.stdout.splitlines()
+                if l.startswith("{"))
+    return json.loads(line)["samples_per_second"]
+
+
+def process_table(arguments) -> None:
+    print(f"\n### 1 process vs 2 processes (poprun, 1 thread each, MLP width "
+          f"{arguments.width}, S = {arguments.process_micro_batch}, D = "
+          f"{arguments.iterations}, {arguments.process_calls} calls, best of "
+          f"{arguments.process_repeats})\n")
+    one = max(_run_workers(1, arguments)
+              for _ in range(arguments.process_repeats))
+    two = max(_run_workers(2, arguments)
+              for _ in range(arguments.process_repeats))
+    print("| processes | samples/s (all processes) | speed-up |")
+    print("|---|---|---|")
+    print(f"| 1 | {one:,.0f} | 1.00 |")
+    print(f"| 2 | {two:,.0f} | {two / one:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--worker", action="store_true",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--micro-batch", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--process-micro-batch", type=int, default=256)
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--process-calls", type=int, default=10)
+    parser.add_argument("--process-repeats", type=int, default=3)
+    parser.add_argument("--skip-processes", action="store_true")
+    arguments = parser.parse_args()
+    if arguments.worker:
+        worker(arguments)
+        return
+    print(f"torch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPU cores")
+    in_process_table(arguments)
+    if not arguments.skip_processes:
+        process_table(arguments)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The "aot_eager" backend: AOTAutograd's functionalization of the captured
+graph, run by PyTorch's eager kernels, without Inductor.
+
+It runs the same graph transformation the "inductor" backend compiles from
+(in-place writes to inputs become functional updates copied back into the
+inputs), in well under a second, so a difference between "graph" and
+"inductor" can be narrowed down to functionalization or to Inductor's code
+generation. It is for debugging, not speed.
+"""
+from typing import List
+
+import torch
+
+from .backend import Backend, CompiledStep, register
+
+
+def _run_graph(graph: torch.fx.GraphModule, example_inputs) -> CompiledStep:
+    from functorch.compile import make_boxed_func
+    return make_boxed_func(graph.forward)
+
+
+class AotEagerBackend(Backend):
+    name = "aot_eager"
+
+    def compile(self, graph: torch.fx.GraphModule,
+                example_inputs: List[torch.Tensor]) -> CompiledStep:
+        from torch._functorch.aot_autograd import aot_module_simplified
+        return aot_module_simplified(graph, list(example_inputs),
+                                     fw_compiler=_run_graph)
+
+
+register(AotEagerBackend())

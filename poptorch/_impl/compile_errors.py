@@ -1,0 +1,124 @@
+"""Capture failures reported as ``poptorch.Error`` naming the operation and
+the line of the user's code that caused them.
+
+The capture traces the model with fake tensors that have shapes and dtypes
+but no data, in a static-shape mode: anything that needs the data while the
+model is captured raises there, and is reported here:
+
+* reading a tensor's value in Python (``.item()``, ``.tolist()``,
+  ``bool(t)``, ``if t > 0:``, ``int(t)``...);
+* operations whose result shape depends on the data (boolean-mask indexing
+  ``x[mask]``, ``nonzero``, ``unique``, ``masked_select``...);
+* operations that cannot run on fake tensors (a custom operator without a
+  fake implementation, ``.numpy()``...);
+* any other exception raised by the model's code while it is traced.
+
+The source location is the innermost frame of the failure whose file name
+contains none of ``Options.sourceLocationExcludes`` (default ``torch/``,
+``poptorch/``, ``<frozen``); when every frame is excluded, the innermost
+frame of a real file outside the torch and poptorch packages is used.
+"""
+import contextlib
+import contextvars
+import os
+import traceback
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException,
+                                           UnsupportedOperatorException)
+
+from ..errors import Error
+
+DEFAULT_EXCLUDES = ("torch/", "poptorch/", "<frozen")
+
+_excludes: contextvars.ContextVar = contextvars.ContextVar(
+    "poptorch_source_location_excludes", default=DEFAULT_EXCLUDES)
+
+_PACKAGE_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+
+_READS_VALUE = (
+    "reads the value of a tensor in Python ({op}), as .item(), .tolist(), "
+    "bool(), int(), float() or an if/while condition on a tensor do. The "
+    "model is captured once into a static graph with tensors that have no "
+    "values yet, so Python cannot branch on or read them; keep the "
+    "computation in tensor operations (for example torch.where instead of "
+    "an if) or do it outside the model")
+_DYNAMIC_SHAPE = (
+    "uses {op}, whose result shape depends on the data (as boolean-mask "
+    "indexing x[mask], nonzero, unique and masked_select do). A static "
+    "graph needs every shape when it is captured; use a fixed-shape form "
+    "such as torch.where(mask, x, 0) or a multiplication by the mask")
+_UNSUPPORTED = ("uses the operation {op}, which cannot be captured: it has "
+                "no implementation for tensors without data (fake tensors)")
+
+
+@contextlib.contextmanager
+def source_location_excludes(excludes: Sequence[str]) -> Iterator[None]:
+    """Use ``excludes`` to find the user's frame of capture failures."""
+    token = _excludes.set(tuple(excludes))
+    try:
+        yield
+    finally:
+        _excludes.reset(token)
+
+
+def _excluded(filename: str, excludes: Sequence[str]) -> bool:
+    return any(pattern in filename for pattern in excludes)
+
+
+def user_frame(frames: List[traceback.FrameSummary]
+               ) -> Optional[traceback.FrameSummary]:
+    """The innermost frame of the user's code among ``frames`` (outermost
+    first)."""
+    excludes = _excludes.get()
+    for frame in reversed(frames):
+        if not _excluded(frame.filename, excludes):
+            return frame
+    for frame in reversed(frames):
+        if not frame.filename.startswith("<") and not os.path.abspath(
+                frame.filename).startswith(_PACKAGE_DIRS):
+            return frame
+    return None
+
+
+def describe_frame(frame: Optional[traceback.FrameSummary]) -> str:
+    if frame is None:
+        return ("an unknown location (every frame matched "
+                "sourceLocationExcludes)")
+    text = f"File \"{frame.filename}\", line {frame.lineno}, in {frame.name}"
+    if frame.line:
+        text += f": {frame.line.strip()}"
+    return text
+
+
+def _operation(error: Exception) -> str:
+    func = getattr(error, "func", None)
+    return str(func) if func is not None else type(error).__name__
+
+
+def _problem(error: Exception) -> str:
+    name = type(error).__name__
+    if isinstance(error, DataDependentOutputException) or \
+            name in ("GuardOnDataDependentSymNode",
+                     "DataDependentOutputException"):
+        return _READS_VALUE.format(op=_operation(error))
+    if isinstance(error, DynamicOutputShapeException):
+        return _DYNAMIC_SHAPE.format(op=_operation(error))
+    if isinstance(error, UnsupportedOperatorException):
+        return _UNSUPPORTED.format(op=_operation(error))
+    if "fake impl" in str(error) or "tensor subclasses" in str(error):
+        return f"uses an operation that cannot be captured: {error}"
+    return f"raised {name}: {error}"
+
+
+def capture_error(error: Exception) -> Error:
+    """``error``, raised while the model was traced, as a ``poptorch.Error``
+    naming the operation and the user's source line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    location = describe_frame(user_frame(frames))
+    return Error(f"The model could not be captured into a static graph: at "
+                 f"{location}, the model {_problem(error)}.")

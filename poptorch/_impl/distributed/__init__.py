@@ -1,0 +1,87 @@
+"""Training one model over several processes on torch.distributed.
+
+With ``options.Distributed.numProcesses`` = n > 1, each process runs its
+own R replicas (``replicationFactor`` is per process) on its part of the
+data, and the n processes train one global model of n x R replicas:
+
+1. compiling a training model joins the run's process group
+   (``process_group.py``; rendezvous in ``environment.py``);
+2. the processes check that they compile the same model with the same
+   options (``consistency.py``) and take process 0's weights, buffers and
+   optimizer state, so they start from one model;
+3. each optimizer step all-reduces the gradients before the update
+   (``gradients.py``), averaging for ``ReductionType.Mean``;
+4. a process that fails makes the others raise ``poptorch.Error`` naming
+   it, within the run's timeout (``faults.py``).
+
+Inference models run independently in each process (no collective), so a
+program may evaluate on one process only.
+"""
+import itertools
+from typing import Callable, List, Optional
+
+import torch
+
+from ...enums import ReductionType
+from ...errors import Error
+from . import consistency, process_group
+from .environment import ProcessEnvironment
+from .gradients import gradient_reducer
+
+_compilations = itertools.count()
+
+
+def process_seed(options) -> Optional[int]:
+    """The seed of this process's model random number generator: process
+    i of an n-process run uses ``randomSeed + i`` (mod 2**64), so that the
+    processes' random operations differ, as the replicas' do, and the run
+    stays reproducible. None without a seed."""
+    seed = options.random_seed
+    if seed is None:
+        return None
+    return (seed + options.Distributed.processId) % 2**64
+
+
+class TrainingProcesses:
+    """A training model's part in the run: in an n-process run, its
+    process group; in a one-process run, nothing to do."""
+
+    def __init__(self, group: Optional[process_group.ProcessGroup]) -> None:
+        self.group = group
+
+    def reduce_gradients(self, reduction: ReductionType
+                         ) -> Optional[Callable[[List[torch.Tensor]],
+                                                List[torch.Tensor]]]:
+        """The update graph's gradient all-reduce (None: one process)."""
+        if self.group is None:
+            return None
+        return gradient_reducer(average=reduction == ReductionType.Mean)
+
+
+def start_training(options, state, micro: List[torch.Tensor],
+                   grouped: bool) -> TrainingProcesses:
+    """For a training model compiled with ``options`` from the device
+    ``state`` (weights, buffers, initial optimizer state) and the example
+    micro-batch ``micro``: in an n-process run, join the run, check that
+    every process compiles the same model, and start from process 0's
+    weights, buffers and optimizer state."""
+    environment = ProcessEnvironment.from_options(options)
+    if not environment.distributed:
+        return TrainingProcesses(None)
+    if grouped:
+        raise Error("replicaGrouping is not supported in a distributed run "
+                    "(options.Distributed.numProcesses = "
+                    f"{environment.num_processes}): replica groups would "
+                    "span processes")
+    group = process_group.join(environment, state.device)
+    names = {"parameter": state.param_names, "buffer": state.buffer_names,
+             "input": [str(i) for i in range(len(micro))]}
+    tensors = {"parameter": state.params, "buffer": state.buffers[0],
+               "input": micro}
+    consistency.check_same_everywhere(
+        group, f"model{next(_compilations)}",
+        consistency.describe(options, names, tensors))
+    group.broadcast_(state.params + [b for buffers in state.buffers
+                                     for b in buffers] + state.optimizer,
+                     "the start-up weight broadcast")
+    return TrainingProcesses(group)

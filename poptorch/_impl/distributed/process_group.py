@@ -1,0 +1,136 @@
+"""This process's membership of the run's torch.distributed process group.
+
+A process joins once (the first training model it compiles, or
+``popdist.init()``): ``torch.distributed.init_process_group`` with gloo on
+the CPU or NCCL on CUDA devices, rank = ``processId``, world size =
+``numProcesses``, rendezvous through ``env://``. A process group the
+program created itself is used as it is when its rank and size agree with
+the options. Collectives are started asynchronously and waited for through
+the ``FaultMonitor``, so a failed peer raises ``poptorch.Error`` instead of
+hanging.
+"""
+import atexit
+import datetime
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from ...errors import Error
+from ..logger import logger
+from .environment import ProcessEnvironment
+from .faults import FaultMonitor
+
+_STORE_PREFIX = "poptorch"
+
+
+class ProcessGroup:
+    """The run's process group as this process sees it."""
+
+    def __init__(self, environment: ProcessEnvironment,
+                 device: torch.device) -> None:
+        self.environment = environment
+        self.device = device
+        self.rank = environment.process_id
+        self.size = environment.num_processes
+        self.store = dist.PrefixStore(
+            _STORE_PREFIX, dist.distributed_c10d._get_default_store())
+        self.monitor = FaultMonitor(self.store, self.rank, self.size,
+                                    environment.timeout)
+        self.blocking = dist.get_backend() == "gloo"
+
+    def all_reduce_(self, tensor: torch.Tensor, average: bool,
+                    what: str) -> None:
+        """Sum (or average) ``tensor`` over the processes, in place."""
+        sequence = self.monitor.start()
+        work = dist.all_reduce(tensor, async_op=True)
+        self.monitor.wait(work, what, sequence, self.blocking)
+        if average:
+            tensor.div_(self.size)
+
+    def broadcast_(self, tensors: List[torch.Tensor], what: str) -> None:
+        """Give every process process 0's values of ``tensors`` (in
+        place)."""
+        for tensor in tensors:
+            sequence = self.monitor.start()
+            work = dist.broadcast(tensor, src=0, async_op=True)
+            self.monitor.wait(work, what, sequence, self.blocking)
+
+
+_current: List[ProcessGroup] = []
+
+
+def join(environment: ProcessEnvironment,
+         device: torch.device) -> ProcessGroup:
+    """This process's group, joining it on the first call."""
+    if _current:
+        group = _current[0]
+        if (group.rank, group.size) != (environment.process_id,
+                                        environment.num_processes):
+            raise Error(
+                f"This process already joined a distributed run as process "
+                f"{group.rank} of {group.size}; options.Distributed now says "
+                f"process {environment.process_id} of "
+                f"{environment.num_processes}. Use the same "
+                "options.Distributed settings for every model of a process.")
+        return group
+    if dist.is_initialized():
+        _check_existing_group(environment)
+    else:
+        _initialise(environment, device)
+    group = ProcessGroup(environment, device)
+    _current.append(group)
+    logger.debug("Joined the distributed run as process %d of %d (%s)",
+                 group.rank, group.size, dist.get_backend())
+    return group
+
+
+def current() -> ProcessGroup:
+    if not _current:
+        raise Error("This process has not joined a distributed run")
+    return _current[0]
+
+
+def _check_existing_group(environment: ProcessEnvironment) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if (rank, size) != (environment.process_id, environment.num_processes):
+        raise Error(
+            f"torch.distributed is already initialised as rank {rank} of "
+            f"{size}, but options.Distributed says process "
+            f"{environment.process_id} of {environment.num_processes}")
+
+
+def _initialise(environment: ProcessEnvironment,
+                device: torch.device) -> None:
+    environment.export_rendezvous()
+    timeout = _backend_timeout(environment, device)
+    try:
+        dist.init_process_group(
+            ProcessEnvironment.backend(device), init_method="env://",
+            rank=environment.process_id,
+            world_size=environment.num_processes,
+            timeout=datetime.timedelta(seconds=timeout))
+    except Exception as error:
+        raise Error(
+            f"Distributed run: process {environment.process_id} of "
+            f"{environment.num_processes} could not join the others at "
+            f"{environment.master_addr}:{environment.master_port} within "
+            f"{timeout:.0f} s ({type(error).__name__}: {error}). Check that "
+            "every process was started with the same MASTER_ADDR/"
+            "MASTER_PORT and process count.") from error
+    atexit.register(_leave)
+
+
+def _backend_timeout(environment: ProcessEnvironment,
+                     device: torch.device) -> float:
+    """The backend's own timeout: the run's for gloo, whose failures the
+    fault monitor explains; beyond it for NCCL, whose watchdog would abort
+    the process, so that the polling monitor speaks first."""
+    if ProcessEnvironment.backend(device) == "gloo":
+        return environment.timeout
+    return 2 * environment.timeout + 10
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

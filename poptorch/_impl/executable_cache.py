@@ -1,0 +1,193 @@
+"""The executable cache (``Options.enableExecutableCaching(path)`` or
+``POPTORCH_CACHE_DIR``).
+
+Each compiled step of a backend that keeps executables (``inductor``) is
+stored under a key that covers everything that changes the executable: the
+captured graph itself (its operations, arguments and constant values), the
+shapes, strides and dtypes of its inputs, the backend, the options that
+affect compilation, the poptorch, torch and Python versions and the device
+(type and, for CUDA, the GPU's name and compute capability). A later
+compilation of the same step, in this process or another, loads it instead
+of compiling.
+
+Layout of the directory::
+
+    <key>.pexe     one compiled step: a header line of JSON (format, key,
+                   versions, payload size and SHA-256), then the payload
+                   (the backend's serialized executable)
+    inductor/      Inductor's own cache (compiled kernels), kept here so
+                   that the cache is complete in one directory
+
+Entries are written to a temporary file and renamed, so a reader never sees
+a partial entry. An entry that cannot be read (truncated, corrupted,
+checksum mismatch, written by another version, or refused by the backend)
+logs a warning and is compiled again and replaced; it never stops the
+compilation. PopTorch never deletes entries: remove the directory to clear
+it. Entries hold compiled code, so use a directory only you can write to.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .._version import __version__
+from .backends.backend import Backend, CompiledStep
+from .logger import logger
+from .serialization.graph_format import graph_fingerprint, tensor_metadata
+
+_MAGIC = "poptorch-executable-cache"
+_FORMAT_VERSION = 1
+_SUFFIX = ".pexe"
+
+
+class CacheEntryError(Exception):
+    """A cache entry that cannot be used (the message says why)."""
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else \
+            torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(index)
+        return (f"cuda:{properties.name}:{properties.major}."
+                f"{properties.minor}")
+    return f"{device.type}:{platform.machine()}"
+
+
+def executable_key(backend: Backend, graph: torch.fx.GraphModule,
+                   example_inputs: List[torch.Tensor],
+                   options: Dict[str, Any]) -> str:
+    """A digest of everything that changes the compiled executable of
+    ``graph``: the graph, its inputs' metadata, the backend, the options
+    that affect compilation, the versions and the device."""
+    device = next((t.device for t in example_inputs), torch.device("cpu"))
+    parts = {
+        "format": _FORMAT_VERSION,
+        "poptorch": __version__,
+        "torch": torch.__version__,
+        "python": sys.version,
+        "device": device_description(device),
+        "backend": backend.name,
+        "graph": graph_fingerprint(graph),
+        "inputs": tensor_metadata(example_inputs),
+        "options": options,
+    }
+    text = json.dumps(parts, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class ExecutableCache:
+    """One cache directory and what all keys made from it share."""
+    directory: str
+    options: Dict[str, Any]
+
+    @property
+    def backend_directory(self) -> str:
+        return os.path.join(self.directory, "inductor")
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, key + _SUFFIX)
+
+    def read(self, key: str) -> Optional[bytes]:
+        """The payload stored under ``key``; None when there is none. Raises
+        ``CacheEntryError`` when the entry exists but cannot be used."""
+        try:
+            with open(self.path(key), "rb") as stream:
+                header_line = stream.readline()
+                payload = stream.read()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise CacheEntryError(f"cannot be read: {error}") from error
+        return _checked_payload(header_line, payload, key)
+
+    def write(self, key: str, payload: bytes) -> None:
+        """Store ``payload`` atomically; failures only log a warning."""
+        header = {"magic": _MAGIC, "format": _FORMAT_VERSION, "key": key,
+                  "poptorch": __version__, "torch": torch.__version__,
+                  "size": len(payload),
+                  "sha256": hashlib.sha256(payload).hexdigest()}
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            _write_atomically(self.path(key),
+                              json.dumps(header).encode() + b"\n" + payload)
+        except OSError as error:
+            logger.warning("Could not write the executable cache entry %s: "
+                           "%s", self.path(key), error)
+
+
+def _checked_payload(header_line: bytes, payload: bytes, key: str) -> bytes:
+    try:
+        header = json.loads(header_line)
+    except ValueError as error:
+        raise CacheEntryError("has no valid header") from error
+    if not isinstance(header, dict) or header.get("magic") != _MAGIC:
+        raise CacheEntryError("is not a poptorch executable cache entry")
+    if header.get("format") != _FORMAT_VERSION or header.get("key") != key:
+        raise CacheEntryError(f"has format {header.get('format')!r} and key "
+                              f"{header.get('key')!r}, expected format "
+                              f"{_FORMAT_VERSION} and key {key}")
+    if header.get("size") != len(payload):
+        raise CacheEntryError(f"is truncated ({len(payload)} of "
+                              f"{header.get('size')} bytes)")
+    if header.get("sha256") != hashlib.sha256(payload).hexdigest():
+        raise CacheEntryError("is corrupted (checksum mismatch)")
+    return payload
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    directory = os.path.dirname(path)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def compile_cached(cache: Optional[ExecutableCache], backend: Backend,
+                   graph: torch.fx.GraphModule,
+                   example_inputs: List[torch.Tensor],
+                   key: str) -> CompiledStep:
+    """``backend.compile(graph, example_inputs)``, through the cache when
+    there is one and the backend keeps executables; ``key`` is the step's
+    ``executable_key``."""
+    if cache is None or not backend.keeps_executables:
+        return backend.compile(graph, example_inputs)
+    with backend.storage(cache.backend_directory):
+        step = _load_entry(cache, backend, key)
+        if step is not None:
+            logger.debug("Loaded the compiled step %s from the executable "
+                         "cache", key)
+            return step
+        step = backend.compile(graph, example_inputs)
+        cache.write(key, backend.serialize(step))
+    return step
+
+
+def _load_entry(cache: ExecutableCache, backend: Backend,
+                key: str) -> Optional[CompiledStep]:
+    try:
+        payload = cache.read(key)
+        if payload is None:
+            return None
+        return backend.deserialize(payload)
+    except CacheEntryError as error:
+        reason = str(error)
+    except Exception as error:  # the backend refused the payload
+        reason = f"could not be loaded: {type(error).__name__}: {error}"
+    logger.warning("The executable cache entry %s %s; compiling again and "
+                   "replacing it", cache.path(key), reason)
+    return None

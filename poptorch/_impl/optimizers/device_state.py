@@ -1,0 +1,377 @@
+"""The optimizer state of a compiled training model, and a poptorch.optim
+optimizer's ``state_dict()`` / ``load_state_dict()`` reading and writing it
+(user guide, "Reading and writing optimizer state").
+
+On the device the state is the flat list ``DeviceState.optimizer``: per param
+group of the training layout, each state name's tensors in the group's
+parameter order, then the automatic loss scaling state. ``OptimizerDeviceState``
+converts between that list and per-parameter dictionaries.
+
+A training model links its optimizer to itself (a weak reference). The
+optimizer's ``state_dict()`` then returns the device state, and
+``load_state_dict()`` writes a state dictionary back: to the device at once
+when the model is compiled, else when it compiles. A training model that is
+destroyed keeps its optimizer state the same way, for the next compilation.
+
+The state dictionary is torch's (``"state"``: per parameter index, the keys of
+torch's ``state[p]`` from the rules' ``export_state``; ``"param_groups"``)
+plus the key ``"poptorch"``:
+
+* ``"version"``: 1;
+* ``"device_state"``: ``{parameter index: {state name: tensor}}``, the update
+  rule's own state as the device keeps it: accumulation dtypes, step counters
+  (SGD's too), the combined SGD variant's scaled velocity and its scale. Loading
+  uses it, exactly, for the parameters it lists (``"state"`` for the others);
+* ``"loss_scale"``, ``"good_steps"``: the automatic loss scale and its count of
+  finite steps in a row (None without automatic loss scaling).
+
+A state dictionary without the ``"poptorch"`` key (from a torch.optim
+optimizer, say) cannot be loaded into an optimizer used by a training model.
+"""
+import dataclasses
+import math
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from ...errors import Error
+from .global_attributes import GlobalAttributes
+
+STATE_DICT_KEY = "poptorch"
+FORMAT_VERSION = 1
+
+_MODEL = "_poptorch_training_model"
+_SAVED = "_poptorch_saved_state"
+
+ParamState = Dict[str, Tensor]
+
+
+@dataclasses.dataclass
+class OptimizerDeviceState:
+    """The optimizer state of one compiled training model."""
+    layout: Any                     # training_step.TrainingLayout
+    host_params: List[torch.nn.Parameter]  # the trainable params, in order
+    device_state: Any               # device_state.DeviceState (.optimizer)
+    attributes: GlobalAttributes
+
+    @property
+    def _device(self) -> torch.device:
+        return self.device_state.device
+
+    def _trainable(self) -> List[Tensor]:
+        return [self.device_state.params[i] for i in self.layout.trainable]
+
+    def hyper_values(self, plan) -> List[Tensor]:
+        """The step's hyper-parameter inputs for ``plan``'s values."""
+        return (self.layout.hyper_values(plan, self._device) +
+                self.attributes.hyper_values(plan, self._device))
+
+    # --- building the flat state -----------------------------------------
+    def initial(self, optimizer: torch.optim.Optimizer, plan) -> List[Tensor]:
+        """The state at compilation: a state dictionary loaded before (or
+        kept by ``destroy``), else the optimizer's own ``state``."""
+        saved = _saved_state(optimizer)
+        positions = _position_indices(optimizer, self.host_params)
+        torch_states = [optimizer.state.get(p, {}) for p in self.host_params]
+        flat = self.build(torch_states, _by_position(saved, positions),
+                          self.attributes.initial_state(plan, self._device,
+                                                        saved))
+        optimizer.__dict__.pop(_SAVED, None)
+        return flat
+
+    def build(self, torch_states: List[Mapping], saved: List[Optional[Mapping]],
+              scale_state: List[Tensor]) -> List[Tensor]:
+        """The flat state from per-position torch-format states, overridden
+        by the exact ``saved`` device states where given, then the automatic
+        loss scaling ``scale_state``. Raises ``poptorch.Error`` before
+        anything changes when they do not fit."""
+        trainable = self._trainable()
+        flat = []
+        for group in self.layout.groups:
+            params = [trainable[p] for p in group.positions]
+            state = group.rule.init_state(
+                params, [torch_states[p] for p in group.positions])
+            for j, position in enumerate(group.positions):
+                if saved[position] is not None:
+                    _override(state, saved[position], group.rule, j,
+                              self.host_params[position])
+            for name in group.rule.state_names:
+                flat.extend(state[name])
+        return flat + scale_state
+
+    def loaded_scale_state(self, extras: Mapping[str, Any]) -> List[Tensor]:
+        """The automatic loss scaling state after loading ``extras``: its
+        saved scale, else the current one."""
+        if extras.get("loss_scale") is None:
+            return list(self.device_state.optimizer[
+                len(self.device_state.optimizer) -
+                self.attributes.state_size:])
+        return self.attributes.initial_state(None, self._device, extras)
+
+    # --- reading it ---------------------------------------------------------
+    def per_param(self) -> List[ParamState]:
+        """Per trainable position, the rule's state tensors (device)."""
+        states: List[ParamState] = [{} for _ in self.host_params]
+        flat = self.device_state.optimizer
+        for group, state in zip(self.layout.groups,
+                                self.layout.unflatten_state(flat)):
+            for j, position in enumerate(group.positions):
+                states[position] = {name: state[name][j]
+                                    for name in group.rule.state_names}
+        return states
+
+    def torch_format(self) -> List[ParamState]:
+        """Per trainable position, torch's ``state[p]`` (device tensors)."""
+        exported: List[ParamState] = [{} for _ in self.host_params]
+        trainable = self._trainable()
+        flat = self.device_state.optimizer
+        for group, state in zip(self.layout.groups,
+                                self.layout.unflatten_state(flat)):
+            params = [trainable[p] for p in group.positions]
+            for position, value in zip(group.positions,
+                                       group.rule.export_state(params, state)):
+                exported[position] = value
+        return exported
+
+    def scale_info(self) -> Dict[str, Any]:
+        """Automatic loss scaling's current scale and finite-step count."""
+        if self.attributes.automatic is None:
+            return {"loss_scale": None, "good_steps": None}
+        scale, good_steps = self.device_state.optimizer[-2:]
+        return {"loss_scale": float(scale), "good_steps": int(good_steps)}
+
+    def current_loss_scale(self, plan) -> float:
+        """The loss scale the next step uses."""
+        if self.attributes.automatic is None:
+            return float(plan.loss_scaling)
+        return self.scale_info()["loss_scale"]
+
+    # --- writing it ----------------------------------------------------------
+    def replace(self, flat: List[Tensor]) -> None:
+        """Use ``flat`` (from ``build``) from the next call."""
+        self.device_state.optimizer = flat
+
+    def apply_loss_scaling_change(self, old_plan, new_plan) -> None:
+        """With automatic loss scaling, a new ``loss_scaling`` (set through
+        ``setOptimizer``) becomes the current scale."""
+        if (self.attributes.automatic is None
+                or old_plan.loss_scaling == new_plan.loss_scaling):
+            return
+        flat = list(self.device_state.optimizer)
+        flat[-2:] = self.attributes.automatic.initial_state(
+            new_plan.loss_scaling, 0, self._device)
+        self.device_state.optimizer = flat
+
+    def store_on_optimizer(self, optimizer: torch.optim.Optimizer
+                           ) -> Dict[str, Any]:
+        """Copy the device state into ``optimizer.state`` (torch's format,
+        next to each host parameter) and return the ``"poptorch"`` entry."""
+        index_of = _param_indices(optimizer)
+        device_state = {}
+        for param, exported, raw in zip(self.host_params, self.torch_format(),
+                                         self.per_param()):
+            if exported:
+                optimizer.state[param] = _to_host(exported, param)
+            else:
+                optimizer.state.pop(param, None)
+            device_state[index_of[id(param)]] = _to_host(raw, param)
+        return dict(version=FORMAT_VERSION, device_state=device_state,
+                    **self.scale_info())
+
+    def keep_on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep the state on the optimizer for a later compilation."""
+        optimizer.__dict__[_SAVED] = self.store_on_optimizer(optimizer)
+
+
+def _override(state: Dict[str, List[Tensor]], saved: Mapping[str, Any],
+              rule, j: int, param: Tensor) -> None:
+    """Put ``saved`` (one parameter's device state) at position ``j`` of a
+    group's ``state``, in the dtype and on the device the rule uses."""
+    if set(saved) != set(rule.state_names):
+        raise Error(
+            f"Cannot load the optimizer state dict: its device state for the "
+            f"parameter of shape {tuple(param.shape)} has "
+            f"{sorted(saved) or 'no state'} but {rule!r} keeps "
+            f"{sorted(rule.state_names) or 'no state'}; the state dict comes "
+            f"from a different optimizer or model")
+    for name in rule.state_names:
+        current = state[name][j]
+        value = torch.as_tensor(saved[name])
+        if value.shape != current.shape:
+            raise Error(
+                f"Cannot load the optimizer state dict: state '{name}' of "
+                f"the parameter of shape {tuple(param.shape)} has shape "
+                f"{tuple(value.shape)}, expected {tuple(current.shape)}; the "
+                f"state dict comes from a different model")
+        state[name][j] = value.detach().to(device=current.device,
+                                           dtype=current.dtype, copy=True)
+
+
+def _to_host(state: Mapping[str, Tensor], param: Tensor) -> ParamState:
+    return {name: value.detach().to(param.device, copy=True)
+            for name, value in state.items()}
+
+
+def _param_indices(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
+    """torch's state-dict index of each parameter (by ``id``)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {id(p): index for index, p in enumerate(params)}
+
+
+def _position_indices(optimizer: torch.optim.Optimizer,
+                      host_params: List[Tensor]) -> List[int]:
+    index_of = _param_indices(optimizer)
+    return [index_of[id(p)] for p in host_params]
+
+
+def _by_position(saved: Optional[Mapping], indices: List[int]
+                 ) -> List[Optional[Mapping]]:
+    device_state = (saved or {}).get("device_state") or {}
+    return [device_state.get(index) for index in indices]
+
+
+def _saved_state(optimizer: torch.optim.Optimizer) -> Optional[Dict]:
+    return optimizer.__dict__.get(_SAVED)
+
+
+# --- the link between an optimizer and its training model ---------------------
+
+def link(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Make ``optimizer``'s state dict read and write ``model``'s state."""
+    optimizer.__dict__[_MODEL] = weakref.ref(model)
+
+
+def unlink(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Undo ``link`` if ``optimizer`` is linked to ``model``."""
+    if linked_model(optimizer) is model:
+        del optimizer.__dict__[_MODEL]
+
+
+def linked_model(optimizer: torch.optim.Optimizer) -> Any:
+    """The training model using ``optimizer``, or None."""
+    reference = optimizer.__dict__.get(_MODEL)
+    return reference() if reference is not None else None
+
+
+def _compiled_state(model: Any) -> Optional[OptimizerDeviceState]:
+    if model is None or not model.isCompiled():
+        return None
+    return model._optimizer_state
+
+
+def save_state_dict(optimizer: torch.optim.Optimizer,
+                    torch_state_dict: Callable[[], Dict]) -> Dict[str, Any]:
+    """``optimizer.state_dict()``: torch's dictionary with the device state
+    (when a compiled training model uses the optimizer) and the
+    ``"poptorch"`` entry."""
+    device = _compiled_state(linked_model(optimizer))
+    if device is not None:
+        extras = device.store_on_optimizer(optimizer)
+    else:
+        extras = dict(_saved_state(optimizer) or
+                      dict(version=FORMAT_VERSION, device_state={},
+                           loss_scale=None, good_steps=None))
+    state_dict = torch_state_dict()
+    state_dict[STATE_DICT_KEY] = extras
+    return state_dict
+
+
+def load_state_dict(optimizer: torch.optim.Optimizer,
+                    state_dict: Mapping[str, Any],
+                    torch_load: Callable[[Dict], None]) -> None:
+    """``optimizer.load_state_dict()``: checks everything first, then loads
+    torch's part, applies the hyper-parameters to the training model (as
+    ``setOptimizer``) and writes the device state (at once when compiled,
+    else at compilation). On any error the optimizer and the model are left
+    as they were."""
+    model = linked_model(optimizer)
+    extras = state_dict.get(STATE_DICT_KEY) if isinstance(
+        state_dict, Mapping) else None
+    if model is None and extras is None:
+        torch_load(state_dict)
+        return
+    _check_state_dict(optimizer, state_dict)
+    torch_part = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
+    device = _compiled_state(model)
+    flat = None
+    if device is not None:
+        indices = _position_indices(optimizer, device.host_params)
+        torch_states = [torch_part["state"].get(i, {}) for i in indices]
+        flat = device.build(torch_states, _by_position(extras, indices),
+                            device.loaded_scale_state(extras))
+    backup = (optimizer.param_groups, optimizer.state)
+    try:
+        torch_load(torch_part)
+        if model is not None:
+            model.setOptimizer(optimizer)
+    except Exception:
+        optimizer.param_groups, optimizer.state = backup
+        raise
+    if flat is not None:
+        device.replace(flat)
+    else:
+        optimizer.__dict__[_SAVED] = extras
+
+
+def _check_state_dict(optimizer: torch.optim.Optimizer,
+                      state_dict: Mapping[str, Any]) -> None:
+    """Raise ``poptorch.Error`` unless ``state_dict`` is a poptorch optimizer
+    state dict that fits ``optimizer``'s parameters."""
+    prefix = "Cannot load the optimizer state dict"
+    extras = state_dict.get(STATE_DICT_KEY)
+    if extras is None:
+        raise Error(
+            f"{prefix}: it has no '{STATE_DICT_KEY}' entry, so it does not "
+            f"come from the state_dict() of a poptorch.optim optimizer. An "
+            f"optimizer used by a training model can only load the state "
+            f"dict of such an optimizer (a torch.optim state dict lacks the "
+            f"device state)")
+    if not isinstance(extras, Mapping) or \
+            extras.get("version") != FORMAT_VERSION:
+        raise Error(f"{prefix}: its '{STATE_DICT_KEY}' entry must be a dict "
+                    f"with version {FORMAT_VERSION}, got {extras!r:.200}")
+    groups = state_dict.get("param_groups")
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = ([len(g.get("params", ())) for g in groups]
+              if isinstance(groups, list) else None)
+    if theirs != ours:
+        raise Error(f"{prefix}: it has param groups of sizes {theirs} but the "
+                    f"optimizer's param groups have sizes {ours}; the state "
+                    f"dict comes from a different model or optimizer")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for source in ("state", "device_state"):
+        entries = (state_dict if source == "state" else extras).get(source)
+        _check_entries(source, entries or {}, params)
+    _check_scale(extras)
+
+
+def _check_entries(source: str, entries: Mapping, params: List[Tensor]) -> None:
+    for index, entry in entries.items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise Error(f"Cannot load the optimizer state dict: its '{source}' "
+                        f"has an entry for parameter {index!r} but the "
+                        f"optimizer has {len(params)} parameters")
+        shape = params[index].shape
+        for name, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and \
+                    value.shape != shape:
+                raise Error(
+                    f"Cannot load the optimizer state dict: '{source}' of "
+                    f"parameter {index} has '{name}' of shape "
+                    f"{tuple(value.shape)} but the parameter has shape "
+                    f"{tuple(shape)}; the state dict comes from a different "
+                    f"model")
+
+
+def _check_scale(extras: Mapping[str, Any]) -> None:
+    scale, good_steps = extras.get("loss_scale"), extras.get("good_steps")
+    if scale is not None and not (isinstance(scale, (int, float)) and
+                                  math.isfinite(scale) and scale > 0):
+        raise Error(f"Cannot load the optimizer state dict: 'loss_scale' must "
+                    f"be None or a finite number > 0, got {scale!r}")
+    if good_steps is not None and not (isinstance(good_steps, int)
+                                       and good_steps >= 0):
+        raise Error(f"Cannot load the optimizer state dict: 'good_steps' must "
+                    f"be None or an integer >= 0, got {good_steps!r}")

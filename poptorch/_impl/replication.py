@@ -1,0 +1,306 @@
+"""How the R replicas of one process run (semantics.md, "Replication").
+
+Each replica holds the same weights (or its group's value of a grouped
+weight, ``replica_grouping.py``), reads its own slice of every call's data
+and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
+
+* single: R = 1 and no grouped weight; the step runs as captured.
+* vectorised (the default for R > 1): each step runs all replicas as ONE
+  computation. The R micro-batches are stacked into one [R, S, ...] batch
+  and the model's forward pass runs once under ``torch.func.vmap`` over the
+  replica dimension; the backward pass starts from the sum of the replicas'
+  losses. vmap's batching rules merge the replica dimension into the batch
+  dimension of matrix multiplications and convolutions, so a model without
+  ops that couple samples runs as one batch of R x S samples, and
+  reductions over the batch stay per replica: each replica's loss (a
+  mean-reduced loss is the mean over its own S samples), BatchNorm
+  statistics and outputs are exactly those of a replica run on its own.
+  Since the gradient of a sum is the sum of the gradients, the step gets the
+  sum of the replicas' gradients, reduced afterwards as on the sequential
+  path (``MeanReductionStrategy.Running`` adds the replicas' mean as one
+  micro-batch of its running mean). Per-replica written buffers are stacked
+  along the replica dimension for the call. This is the "fused batch with
+  an exact loss correction" without analysing the loss: the per-replica
+  losses exist in the graph, so every ``OutputMode`` gets them.
+* sequential: the replicas' steps run one after another in the device
+  loop. It is used when vectorising would change the results (``forward``
+  writes its input tensors in place; inference replicas share buffers that
+  ``forward`` writes, so each must see the previous one's writes) or when
+  vmap cannot trace the model (for example an ``autograd.Function`` without
+  a vmap rule); the reason is logged at DEBUG.
+
+Outputs keep the [D, G, R] order: the vectorised step returns [R, ...]
+stacked outputs and hands each replica's slice to the output collector.
+"""
+import contextlib
+import dataclasses
+import functools
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..enums import ReductionType, VariableRetrievalMode
+from ..errors import Error
+from .batching import BatchLayout
+from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
+                      split_flat, tensor_outputs, trace_inference_step,
+                      trace_user_code)
+from .logger import logger
+from .outputs import OutputCollector
+from .replica_grouping import GroupedWeights, ReplicaGrouping
+from .training_step import micro_batch_forward, trace_training_step
+
+SINGLE = "single"
+VECTORISED = "vectorised"
+SEQUENTIAL = "sequential"
+
+
+def check_layout(layout: BatchLayout) -> None:
+    """The input group size must be a factor of the replication factor."""
+    if layout.replicas % layout.input_group_size:
+        raise Error(
+            f"inputReplicaGrouping input_group_size "
+            f"({layout.input_group_size}) must be a factor of "
+            f"replicationFactor ({layout.replicas})")
+
+
+class _ReplicaOutputs:
+    """Hands the slices of stacked [R, ...] outputs to the collector, one
+    replica at a time (the device loop sees one vectorised "replica")."""
+
+    def __init__(self, collector: OutputCollector, replicas: int) -> None:
+        self._collector = collector
+        self._replicas = replicas
+
+    def add(self, iteration: int, replica: int,
+            outputs: List[torch.Tensor]) -> None:
+        if not self._collector.wants(iteration):
+            return
+        for index in range(self._replicas):
+            self._collector.add(iteration, index,
+                                [t[index] for t in outputs])
+
+
+@dataclasses.dataclass
+class LoopArguments:
+    """What the device loop runs with: a layout, the split inputs, the
+    buffer sets and the output collector."""
+    layout: BatchLayout
+    inputs: List[torch.Tensor]
+    buffer_sets: List[List[torch.Tensor]]
+    collector: object
+
+
+class ReplicaExecution:
+    """The replica path of one compiled model and what it needs to trace
+    and run its steps."""
+
+    def __init__(self, layout: BatchLayout, analysis: ModelAnalysis,
+                 grouped: GroupedWeights, per_replica_buffers: bool,
+                 path: str, reason: str) -> None:
+        self.layout = layout
+        self.analysis = analysis
+        self.grouped = grouped
+        self.per_replica_buffers = per_replica_buffers
+        self.path = path
+        self.reason = reason
+        self._input_grouping = ReplicaGrouping(
+            layout.input_group_type, layout.input_group_size,
+            VariableRetrievalMode.OnePerGroup)
+        logger.debug("Replicas: %d replica(s) run on the %s path (%s)",
+                     layout.replicas, path, reason)
+
+    @staticmethod
+    def choose(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
+               grouped: GroupedWeights, per_replica_buffers: bool
+               ) -> "ReplicaExecution":
+        """Pick the path for this model; tracing may still fall back from
+        vectorised to sequential (see ``trace_training``)."""
+        path, reason = _path_for(layout, analysis, training, grouped,
+                                 per_replica_buffers)
+        if path == SEQUENTIAL and grouped:
+            raise Error(_grouped_needs_vectorised(reason))
+        return ReplicaExecution(layout, analysis, grouped,
+                                per_replica_buffers, path, reason)
+
+    # --- what the traced steps see --------------------------------------
+    def _written_dims(self, count: int) -> List[Optional[int]]:
+        written = set(self.analysis.written_buffers)
+        return [0 if i in written else None for i in range(count)]
+
+    def _example_buffers(self, buffer_sets: List[List[torch.Tensor]]
+                         ) -> List[torch.Tensor]:
+        return [torch.stack([s[i] for s in buffer_sets]) if dim == 0
+                else buffer_sets[0][i]
+                for i, dim in enumerate(self._written_dims(
+                    len(buffer_sets[0])))]
+
+    @staticmethod
+    def _example_inputs(split: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [(t if t.dim() == 0 else t[0, 0]).clone() for t in split]
+
+    def _per_replica(self, params, inputs,
+                     reduction: Optional[ReductionType]):
+        """Grouped weights and grouped inputs expanded to one value per
+        replica, with the vmap dimensions of params and inputs."""
+        replicas = self.layout.replicas
+        params = [self.grouped.per_replica(i, p, reduction)
+                  if i in self.grouped.groupings else p
+                  for i, p in enumerate(params)]
+        if self.layout.input_group_size > 1:
+            inputs = [t if t.dim() == 0 else
+                      self._input_grouping.to_replicas(t, replicas)
+                      for t in inputs]
+        param_dims = [0 if i in self.grouped.groupings else None
+                      for i in range(len(params))]
+        input_dims = [None if t.dim() == 0 else 0 for t in inputs]
+        return params, inputs, param_dims, input_dims
+
+    def _training_forward(self, call: ModelCall, settings) -> Callable:
+        """The vectorised forward pass: the replicas' summed losses (their
+        mean when the gradient buffer keeps a running mean: one vectorised
+        step then counts as one micro-batch of mean gradients)."""
+        micro = functools.partial(micro_batch_forward, call, self.analysis)
+        gradients = settings.gradients
+
+        def forward(params, buffers, inputs):
+            params, inputs, param_dims, input_dims = self._per_replica(
+                params, inputs, gradients.reduction)
+            dims = (param_dims, self._written_dims(len(buffers)), input_dims)
+            values, outputs, written = torch.func.vmap(
+                micro, in_dims=dims, randomness="different")(
+                    params, buffers, inputs)
+            total = (values.mean() if gradients.keeps_running_mean
+                     else values.sum())
+            return total, outputs, written
+
+        return forward
+
+    # --- tracing ------------------------------------------------------------
+    def trace_training(self, call: ModelCall, training, settings,
+                       example: Dict[str, List[torch.Tensor]],
+                       buffer_sets: List[List[torch.Tensor]],
+                       split: List[torch.Tensor],
+                       flags: Dict[str, bool], update: bool,
+                       accumulated: bool,
+                       reduce_gradients: Optional[Callable] = None
+                       ) -> torch.fx.GraphModule:
+        """``trace_training_step`` for this path. ``example`` holds one
+        replica's micro-batch and buffers (what the sequential path
+        traces with)."""
+        if self.grouped:
+            self.grouped.check_update(training, settings)
+        if self.path == VECTORISED:
+            vector_example = dict(example,
+                                  buffers=self._example_buffers(buffer_sets),
+                                  inputs=self._example_inputs(split))
+            try:
+                return trace_training_step(
+                    call, self.analysis, training, settings, vector_example,
+                    flags, update=update, accumulated=accumulated,
+                    forward=self._training_forward(call, settings),
+                    reduce_gradients=reduce_gradients)
+            except Error as error:
+                self._fall_back(error)
+        return trace_training_step(call, self.analysis, training, settings,
+                                   example, flags, update=update,
+                                   accumulated=accumulated,
+                                   reduce_gradients=reduce_gradients)
+
+    def trace_inference(self, call: ModelCall, params: List[torch.Tensor],
+                        buffer_sets: List[List[torch.Tensor]],
+                        split: List[torch.Tensor], flags: Dict[str, bool]
+                        ) -> Tuple[torch.fx.GraphModule, List[torch.Tensor]]:
+        """The inference step for this path and its example inputs."""
+        if self.path == VECTORISED:
+            example = (params + self._example_buffers(buffer_sets) +
+                       self._example_inputs(split))
+            try:
+                return self._trace_vectorised_inference(
+                    call, len(params), len(buffer_sets[0]), example,
+                    flags), example
+            except Error as error:
+                self._fall_back(error)
+        params = self.grouped.replica_params(params)
+        micro = [(t if t.dim() == 0 else t[0, 0, 0]).clone() for t in split]
+        graph = trace_inference_step(call, self.analysis, params,
+                                     buffer_sets[0], micro, flags)
+        return graph, params + buffer_sets[0] + micro
+
+    def _trace_vectorised_inference(self, call: ModelCall, num_params: int,
+                                    num_buffers: int, example, flags
+                                    ) -> torch.fx.GraphModule:
+        written = self.analysis.written_buffers
+
+        def micro(params, buffers, inputs):
+            buffers = clone_written(buffers, written)
+            return ([buffers[i] for i in written],
+                    tensor_outputs(call(params, buffers, inputs)))
+
+        def step(*flat):
+            params, buffers, inputs = split_flat(flat,
+                                                 [num_params, num_buffers])
+            params, inputs, param_dims, input_dims = self._per_replica(
+                params, inputs, None)
+            dims = (param_dims, self._written_dims(num_buffers), input_dims)
+            new_buffers, outputs = torch.func.vmap(
+                micro, in_dims=dims, randomness="different")(
+                    params, buffers, inputs)
+            return new_buffers + outputs
+
+        with capture_scope(call.module, flags):
+            return trace_user_code(step, example)
+
+    def _fall_back(self, error: Error) -> None:
+        reason = f"vmap could not trace the model: {error}"
+        if self.grouped:
+            raise Error(_grouped_needs_vectorised(reason)) from error
+        self.path, self.reason = SEQUENTIAL, reason
+        logger.debug("Replicas: falling back to the sequential path (%s)",
+                     reason)
+
+    # --- running ------------------------------------------------------------
+    @contextlib.contextmanager
+    def loop(self, split: List[torch.Tensor],
+             buffer_sets: List[List[torch.Tensor]],
+             collector: OutputCollector) -> Iterator[LoopArguments]:
+        """The device loop's arguments for one call. On the vectorised path
+        the loop sees one "replica" whose micro-batch is the stacked
+        [R', S, ...] slice; per-replica buffers are stacked for the call and
+        unstacked afterwards."""
+        if self.path != VECTORISED:
+            yield LoopArguments(self.layout, split, buffer_sets, collector)
+            return
+        stacked = self._example_buffers(buffer_sets)
+        layout = BatchLayout(self.layout.device_iterations,
+                             self.layout.gradient_accumulation, 1)
+        yield LoopArguments(
+            layout, [t if t.dim() == 0 else t.unsqueeze(2) for t in split],
+            [stacked], _ReplicaOutputs(collector, self.layout.replicas))
+        for index in self.analysis.written_buffers:
+            for replica, values in enumerate(buffer_sets):
+                values[index] = stacked[index][replica]
+
+
+def _path_for(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
+              grouped: GroupedWeights, per_replica_buffers: bool
+              ) -> Tuple[str, str]:
+    if layout.replicas == 1 and not grouped:
+        return SINGLE, "one replica"
+    if analysis.written_inputs:
+        return SEQUENTIAL, ("forward writes to its input tensors in place; "
+                            "each replica writes its own slice in turn")
+    if analysis.written_buffers and not per_replica_buffers and not training:
+        return SEQUENTIAL, ("the replicas share buffers that forward writes "
+                            "(broadcastBuffers), so each replica must see "
+                            "the previous replica's writes")
+    return VECTORISED, ("the replicas' forward passes run as one batch "
+                        "under torch.func.vmap, followed by one backward "
+                        "pass" if training else
+                        "the replicas' forward passes run as one batch "
+                        "under torch.func.vmap")
+
+
+def _grouped_needs_vectorised(reason: str) -> str:
+    return ("replicaGrouping: grouped weights need the vectorised replica "
+            f"path, which this model cannot use: {reason}")

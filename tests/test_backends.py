@@ -1,0 +1,195 @@
+"""Backends run the captured steps: "graph" as captured, "aot_eager" after
+AOTAutograd's functionalization, "inductor" compiled by TorchInductor. All
+must compute what plain PyTorch computes; CUDA graph replays must compute
+what the plain loop computes."""
+import copy
+
+import pytest
+import torch
+
+import poptorch
+from conftest import (BatchNormNet, assert_same_weights, make_images,
+                      options, reference_training)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU")
+
+
+class WritesInput(torch.nn.Module):
+    """forward writes to its argument: the write must reach the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return self.fc(x)
+
+
+def _train_against_reference(backend, device_iterations=2, accumulation=2):
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    twin = copy.deepcopy(net)
+    opts = options(device_iterations, accumulation)
+    opts.setBackend(backend)
+    model = poptorch.trainingModel(
+        net, opts, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    rows = 2 * device_iterations * accumulation
+    for call in range(3):
+        x, y = make_images(rows, seed=call)
+        _, loss = model(x, y)
+        expected = reference_training(twin, reference, (x, y),
+                                      device_iterations, accumulation)
+        torch.testing.assert_close(loss, expected[-1], atol=1e-5, rtol=1e-4)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin, atol=1e-5)
+    return model
+
+
+def _inference_writes_input(backend):
+    torch.manual_seed(0)
+    net = WritesInput()
+    twin = copy.deepcopy(net)
+    model = poptorch.inferenceModel(
+        net, poptorch.Options().deviceIterations(2).setBackend(backend))
+    x = torch.randn(4, 4)
+    x_twin = x.clone()
+    out = model(x)
+    expected = torch.cat([twin(x_twin[:2]), twin(x_twin[2:])])
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x, x_twin)   # the write reached the caller
+    return model
+
+
+@pytest.mark.parametrize("backend", ["graph", "aot_eager"])
+def test_training_matches_plain_pytorch(backend):
+    model = _train_against_reference(backend)
+    assert model._session.backend.name == backend
+
+
+@pytest.mark.parametrize("backend", ["graph", "aot_eager"])
+def test_writes_to_inputs_reach_the_caller(backend):
+    _inference_writes_input(backend)
+
+
+@pytest.mark.slow
+def test_inductor_training_matches_plain_pytorch():
+    model = _train_against_reference("inductor", accumulation=1)
+    step = model._session.steps["update"]
+    assert type(step).__name__ == "InductorStep"
+
+
+@pytest.mark.slow
+def test_inductor_keeps_writes_to_inputs():
+    _inference_writes_input("inductor")
+
+
+def test_auto_is_the_graph_backend_on_cpu():
+    torch.manual_seed(0)
+    model = poptorch.inferenceModel(BatchNormNet().eval(),
+                                    poptorch.Options().useIpuModel(True))
+    x, y = make_images(2)
+    model(x, y)
+    assert model.options.backend == "auto"
+    assert model._session.backend.name == "graph"
+
+
+def test_environment_variable_selects_the_backend(monkeypatch):
+    monkeypatch.setenv("POPTORCH_BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model = poptorch.inferenceModel(BatchNormNet().eval())
+    model(*make_images(2))
+    assert model._session.backend.name == "aot_eager"
+
+
+def test_set_backend_takes_precedence_over_the_environment(monkeypatch):
+    monkeypatch.setenv("POPTORCH_BACKEND", "aot_eager")
+    opts = poptorch.Options().setBackend("graph")
+    model = poptorch.inferenceModel(BatchNormNet().eval(), opts)
+    model(*make_images(2))
+    assert model._session.backend.name == "graph"
+
+
+def test_unknown_backend_in_the_environment_is_an_error(monkeypatch):
+    monkeypatch.setenv("POPTORCH_BACKEND", "tvm")
+    model = poptorch.inferenceModel(BatchNormNet().eval())
+    with pytest.raises(poptorch.Error, match="POPTORCH_BACKEND: unknown "
+                       "backend 'tvm'; allowed: 'auto'"):
+        model(*make_images(2))
+    assert not model.isCompiled()
+
+
+@pytest.mark.parametrize("args,message", [
+    (("tvm",), "setBackend backend must be one of 'auto', 'aot_eager', "
+               "'graph', 'inductor', got 'tvm'"),
+    (("graph", 1), "setBackend cuda_graphs must be a bool"),
+])
+def test_set_backend_rejects_bad_arguments(args, message):
+    opts = poptorch.Options()
+    with pytest.raises(poptorch.Error, match=message):
+        opts.setBackend(*args)
+    assert opts.backend == "auto" and opts.cuda_graphs is False
+
+
+def test_cuda_graphs_are_not_used_on_the_cpu():
+    """cuda_graphs=True on a CPU model runs the plain loop."""
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    twin = copy.deepcopy(net)
+    opts = options(2).setBackend("graph", cuda_graphs=True).useIpuModel(True)
+    model = poptorch.trainingModel(net, opts,
+                                   torch.optim.SGD(net.parameters(), lr=0.1))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    x, y = make_images(4)
+    model(x, y)
+    reference_training(twin, reference, (x, y), 2)
+    assert model._cuda_graph_call is None
+    assert_same_weights(net, twin, atol=1e-5)
+
+
+def _cuda_training(cuda_graphs, calls, lr_change_at=None):
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    opts = options(3).setBackend("graph", cuda_graphs=cuda_graphs)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = poptorch.trainingModel(net, opts, optimizer)
+    losses = []
+    for call in range(calls):
+        if call == lr_change_at:
+            for group in optimizer.param_groups:
+                group["lr"] = 0.01
+            model.setOptimizer(optimizer)
+        losses.append(model(*make_images(6, seed=call))[1])
+    model.copyWeightsToHost()
+    return net, losses, model
+
+
+@needs_cuda
+def test_cuda_graph_training_matches_the_plain_loop():
+    plain_net, plain_losses, _ = _cuda_training(False, 4, lr_change_at=2)
+    graph_net, graph_losses, model = _cuda_training(True, 4, lr_change_at=2)
+    assert model._cuda_graph_call is not None
+    torch.testing.assert_close(torch.stack(graph_losses),
+                               torch.stack(plain_losses))
+    assert_same_weights(graph_net, plain_net, atol=1e-5)
+
+
+@needs_cuda
+def test_cuda_graph_inference_sees_new_weights():
+    torch.manual_seed(0)
+    net = BatchNormNet().eval()
+    model = poptorch.inferenceModel(
+        net, poptorch.Options().deviceIterations(2).setBackend(
+            "graph", cuda_graphs=True))
+    x, y = make_images(4)
+    first = model(x, y)[0]
+    assert model._cuda_graph_call is not None
+    with torch.no_grad():
+        net.fc.weight.mul_(2.0)
+    model.copyWeightsToDevice()
+    second = model(x, y)[0]
+    expected = torch.cat([net(x[:2], y[:2])[0], net(x[2:], y[2:])[0]])
+    torch.testing.assert_close(second, expected, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(first, second)

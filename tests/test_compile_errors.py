@@ -1,0 +1,153 @@
+"""What the capture cannot turn into a static graph raises poptorch.Error
+naming the operation and the user's source line."""
+import importlib.util
+import re
+
+import pytest
+import torch
+
+import poptorch
+
+THIS_FILE = __file__
+
+
+class Wrapped(torch.nn.Module):
+    """Runs ``body(self, x)`` after a linear layer."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.body = body
+
+    def forward(self, x):
+        return self.body(self, self.fc(x))
+
+
+def _capture_error(body, training=False) -> str:
+    torch.manual_seed(0)
+    model = Wrapped(body)
+    wrapper = (poptorch.trainingModel(model) if training
+               else poptorch.inferenceModel(model))
+    x = torch.randn(2, 4)
+    with pytest.raises(poptorch.Error) as info:
+        wrapper(x)
+    assert not wrapper.isCompiled()
+    return str(info.value)
+
+
+def _line_of(text: str) -> int:
+    """The line of this file holding ``text``."""
+    with open(THIS_FILE) as source:
+        for number, line in enumerate(source, 1):
+            if text in line and "_line_of" not in line:
+                return number
+    raise AssertionError(text)
+
+
+def _item(self, h):
+    return h * h.sum().item()  # marker: item
+
+
+def _tolist(self, h):
+    return torch.tensor(h.tolist())  # marker: tolist
+
+
+def _branch(self, h):
+    if h.sum() > 0:  # marker: branch
+        return h
+    return -h
+
+
+def _mask(self, h):
+    return h[h > 0]  # marker: mask
+
+
+def _unique(self, h):
+    return torch.unique(h)  # marker: unique
+
+
+def _shape_error(self, h):
+    return h @ torch.ones(3, 3)  # marker: shape
+
+
+@pytest.mark.parametrize("body,marker,operation,problem", [
+    (_item, "item", "aten._local_scalar_dense", "reads the value of a tensor"),
+    (_tolist, "tolist", "aten._local_scalar_dense",
+     "reads the value of a tensor"),
+    (_branch, "branch", "aten._local_scalar_dense",
+     "if/while condition on a tensor"),
+    (_mask, "mask", "aten.nonzero", "result shape depends on the data"),
+    (_unique, "unique", "aten._unique2", "result shape depends on the data"),
+    (_shape_error, "shape", "RuntimeError", "must have same reduction dim"),
+])
+def test_error_names_the_operation_and_the_source_line(body, marker,
+                                                      operation, problem):
+    message = _capture_error(body)
+    line = _line_of(f"# marker: {marker}")
+    assert f'File "{THIS_FILE}", line {line}, in {body.__name__}' in message
+    assert f"marker: {marker}" in message
+    assert operation in message
+    assert problem in message
+
+
+def test_training_capture_reports_the_same_location():
+    message = _capture_error(_item, training=True)
+    assert f"line {_line_of('# marker: item')}, in _item" in message
+
+
+def test_custom_operator_without_fake_implementation(tmp_path):
+    @torch.library.custom_op("poptorch_tests::no_fake", mutates_args=())
+    def no_fake(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def body(self, h):
+        return no_fake(h)  # marker: custom op
+
+    message = _capture_error(body)
+    assert f"line {_line_of('# marker: custom op')}, in body" in message
+    assert "cannot be captured" in message and "register_fake" in message
+
+
+HELPER = '''
+def read_value(tensor):
+    return tensor * tensor.max().item()
+'''
+
+
+def _helper_module(tmp_path):
+    path = tmp_path / "value_helper.py"
+    path.write_text(HELPER)
+    spec = importlib.util.spec_from_file_location("value_helper", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, str(path)
+
+
+def _helper_error(helper, opts) -> str:
+    def body(self, h):
+        return helper.read_value(h)  # marker: calls helper
+
+    model = poptorch.inferenceModel(Wrapped(body), opts)
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.randn(2, 4))
+    return str(info.value)
+
+
+def test_location_excludes_choose_the_reported_frame(tmp_path):
+    helper, helper_path = _helper_module(tmp_path)
+    default = _helper_error(helper, poptorch.Options())
+    assert f'File "{helper_path}", line 3, in read_value' in default
+
+    opts = poptorch.Options().appendToLocationExcludes("value_helper.py")
+    skipped = _helper_error(helper, opts)
+    line = _line_of("# marker: calls helper")
+    assert f'File "{THIS_FILE}", line {line}, in body' in skipped
+
+
+def test_when_every_frame_is_excluded_the_user_frame_is_still_found(
+        tmp_path):
+    helper, helper_path = _helper_module(tmp_path)
+    opts = poptorch.Options().sourceLocationExcludes(
+        ["torch/", "poptorch/", "<", "value_helper", "test_compile_errors"])
+    message = _helper_error(helper, opts)
+    assert re.search(rf'File "{re.escape(helper_path)}", line 3', message)

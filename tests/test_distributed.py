@@ -1,0 +1,232 @@
+"""Training over several processes: process ids, the rendezvous, start-up
+checks and faults. The multi-process tests start real processes (gloo on
+the CPU) and are marked slow."""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import poptorch
+from poptorch._impl.distributed import consistency
+from poptorch._impl.distributed.environment import ProcessEnvironment
+from poptorch.run import main as poprun
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "distributed_program.py")
+
+
+# --- process environment -------------------------------------------------
+
+def test_process_ids_come_from_options_and_the_rendezvous_has_defaults(
+        monkeypatch):
+    for variable in ("MASTER_ADDR", "MASTER_PORT",
+                     "POPTORCH_DISTRIBUTED_TIMEOUT"):
+        monkeypatch.delenv(variable, raising=False)
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(1, 3)
+    environment = ProcessEnvironment.from_options(opts)
+    assert (environment.process_id, environment.num_processes) == (1, 3)
+    assert (environment.master_addr, environment.master_port,
+            environment.timeout) == ("127.0.0.1", 29500, 60.0)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    monkeypatch.setenv("POPTORCH_DISTRIBUTED_TIMEOUT", "2.5")
+    environment = ProcessEnvironment.from_options(opts)
+    assert (environment.master_addr, environment.master_port,
+            environment.timeout) == ("10.0.0.5", 1234, 2.5)
+
+
+def test_torchrun_variables_give_the_process_ids(monkeypatch):
+    for variable in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    environment = ProcessEnvironment.from_options(poptorch.Options())
+    assert (environment.process_id, environment.num_processes) == (2, 4)
+    opts = poptorch.Options()
+    opts.Distributed.disable()
+    assert not ProcessEnvironment.from_options(opts).distributed
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("POPTORCH_DISTRIBUTED_TIMEOUT", "soon",
+     "POPTORCH_DISTRIBUTED_TIMEOUT must hold a number of seconds > 0, got "
+     "'soon'"),
+    ("POPTORCH_DISTRIBUTED_TIMEOUT", "0",
+     "POPTORCH_DISTRIBUTED_TIMEOUT must hold a number of seconds > 0"),
+    ("MASTER_PORT", "http", "MASTER_PORT must hold a port number")])
+def test_bad_rendezvous_variables_are_errors(monkeypatch, variable, value,
+                                             message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(poptorch.Error, match=message):
+        ProcessEnvironment.from_options(poptorch.Options())
+
+
+def test_differences_name_each_setting_and_the_processes_values():
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    other = poptorch.Options().deviceIterations(2)
+    other.Distributed.configureProcessId(1, 2)
+    names = {"parameter": ["w"], "input": ["0"]}
+    mine = consistency.describe(opts, names, {
+        "parameter": [torch.zeros(3, 2)], "input": [torch.zeros(4, 3)]})
+    theirs = consistency.describe(other, names, {
+        "parameter": [torch.zeros(3, 2)], "input": [torch.zeros(4, 5)]})
+    assert consistency.differences([mine, mine]) == []
+    assert consistency.differences([mine, theirs]) == [
+        "model.input 0: [[4, 3], \"torch.float32\"] on process 0, "
+        "[[4, 5], \"torch.float32\"] on process 1",
+        "options.device_iterations: 1 on process 0, 2 on process 1"]
+
+
+class _GroupedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1, 3, 1))
+
+    def forward(self, x):
+        return poptorch.identity_loss(x @ self.weight, "mean")
+
+
+def test_grouped_weights_are_refused_in_a_distributed_run():
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    model = poptorch.trainingModel(_GroupedModel(), opts)
+    model.weight.replicaGrouping(
+        poptorch.CommGroupType.NoGrouping, 0,
+        poptorch.VariableRetrievalMode.OnePerGroup)
+    with pytest.raises(poptorch.Error, match="replicaGrouping is not "
+                       "supported in a distributed run"):
+        model(torch.ones(2, 3))
+
+
+# --- launcher arguments -----------------------------------------------------
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--num-instances", "2", "--num-replicas", "3", "x.py"],
+     r"--num-replicas \(3\) must be a multiple of --num-instances \(2\)"),
+    (["--num-instances", "2", "--num-replicas", "2"], "no program given"),
+    (["--num-instances", "3", "--num-replicas", "3", "--num-hosts", "2",
+      "x.py"], r"--num-instances \(3\) must be a multiple of --num-hosts"),
+    (["--num-instances", "2", "--num-replicas", "2", "--num-hosts", "2",
+      "--host-rank", "2", "x.py"], "--host-rank must be between 0 and 1")])
+def test_inconsistent_launcher_arguments(capsys, arguments, message):
+    assert poprun(arguments) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_launcher_rejects_non_positive_counts(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        poprun(["--num-instances", "0", "--num-replicas", "2", "x.py"])
+    assert stopped.value.code == 2
+    assert "must be an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+# --- several processes --------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start_pair(output, *extra, timeout="60", per_process=None):
+    """Start processes 0 and 1 of a 2-process run (torchrun variables,
+    without a launcher); ``per_process[i]`` adds arguments to process i."""
+    port = str(_free_port())
+    processes = []
+    for rank in range(2):
+        environment = dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                           OMP_NUM_THREADS="1",
+                           POPTORCH_DISTRIBUTED_TIMEOUT=timeout)
+        arguments = [sys.executable, PROGRAM, str(output), *extra,
+                     *((per_process or {}).get(rank, []))]
+        processes.append(subprocess.Popen(
+            arguments, env=environment, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    return processes
+
+
+def _finish(processes, limit=120):
+    results = []
+    for process in processes:
+        _, err = process.communicate(timeout=limit)
+        results.append((process.returncode, err))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, reason", [
+    ("kill", "process 1 died"),
+    ("raise", "process 1 raised ValueError: process 1 gives up")])
+def test_the_others_stop_naming_a_failed_process(tmp_path, how, reason):
+    start = time.monotonic()
+    processes = _start_pair(tmp_path, "--fail", how, "--fail-step", "2",
+                            timeout="30")
+    (code, err), _ = _finish(processes)
+    assert code != 0
+    assert "poptorch.errors.Error: Distributed run: " + reason in err
+    assert "Process 0 of 2 stops" in err
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_a_process_that_never_arrives_times_out_naming_it(tmp_path):
+    processes = _start_pair(tmp_path, "--fail", "hang", "--fail-step", "1",
+                            timeout="4")
+    (code, err), = _finish(processes[:1])
+    processes[1].kill()
+    processes[1].communicate()
+    assert code != 0
+    assert ("the gradient all-reduce timed out after 4 s on process 0: "
+            "process(es) 1 did not start it") in err
+
+
+@pytest.mark.slow
+def test_different_options_are_an_error_on_every_process(tmp_path):
+    processes = _start_pair(tmp_path, per_process={
+        1: ["--device-iterations", "2"]})
+    for code, err in _finish(processes):
+        assert code != 0
+        assert "the processes compile different models or options" in err
+        assert ("options.device_iterations: 1 on process 0, 2 on process 1"
+                in err)
+
+
+@pytest.mark.slow
+def test_launcher_exits_non_zero_when_an_instance_dies(tmp_path):
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "poptorch.run", "--num-instances", "2",
+         "--num-replicas", "2", "--timeout", "30", PROGRAM, str(tmp_path),
+         "--popdist", "--fail", "kill", "--fail-step", "2"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "poprun: instance 1 failed first (killed by SIGKILL)" in \
+        result.stderr
+    assert time.monotonic() - start < 90
+
+
+class _Noise(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+def test_each_process_draws_its_own_random_numbers():
+    """Process i of n uses randomSeed + i: process 1 of 2 with seed 5 draws
+    what a lone process with seed 6 draws (inference models run without
+    joining the run)."""
+    x = torch.zeros(4, 3)
+    opts = poptorch.Options().randomSeed(5)
+    opts.Distributed.configureProcessId(1, 2)
+    second = poptorch.inferenceModel(_Noise(), opts)(x)
+    alone = poptorch.inferenceModel(_Noise(), poptorch.Options().randomSeed(6))
+    first = poptorch.Options().randomSeed(5)
+    first.Distributed.configureProcessId(0, 2)
+    torch.testing.assert_close(second, alone(x))
+    assert not torch.equal(second, poptorch.inferenceModel(_Noise(), first)(x))

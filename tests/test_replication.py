@@ -1,0 +1,409 @@
+"""Replicas in one process: the vectorised path (one computation for all
+replicas) and the sequential fallback give what plain PyTorch gives when it
+runs every replica's micro-batch itself (tolerance: assert_same_weights,
+atol 1e-6 / rtol 1e-5)."""
+import copy
+
+import pytest
+import torch
+
+import poptorch
+from conftest import (BatchNormNet, ClassifierMLP, assert_same_weights,
+                      make_data, make_images, options, reference_training)
+
+
+def _train(net, opts, inputs, lr=0.1):
+    model = poptorch.trainingModel(
+        net, opts, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.5))
+    return model, model(*inputs)
+
+
+def _reference(twin, inputs, lr=0.1, **layout):
+    optimizer = torch.optim.SGD(twin.parameters(), lr=lr, momentum=0.5)
+    return reference_training(twin, optimizer, inputs, **layout)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("reduction", [poptorch.ReductionType.Mean,
+                                       poptorch.ReductionType.Sum])
+def test_replicas_train_like_plain_pytorch(mlp, twin, replicas, reduction):
+    opts = options(device_iterations=2, accumulation=3, replicas=replicas,
+                   outputMode=poptorch.OutputMode.All)
+    opts.Training.accumulationAndReplicationReductionType(reduction)
+    inputs = make_data(2 * 3 * replicas * 5)
+    model, (_, losses) = _train(mlp, opts, inputs)
+    expected = _reference(twin, inputs, device_iterations=2, accumulation=3,
+                          replicas=replicas,
+                          mean=reduction == poptorch.ReductionType.Mean)
+    assert model._replicas.path == "vectorised"
+    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
+    assert_same_weights(mlp, twin)
+
+
+@pytest.mark.parametrize("strategy", list(poptorch.MeanReductionStrategy))
+def test_mean_reduction_strategies_with_vectorised_replicas(mlp, twin,
+                                                            strategy):
+    opts = options(accumulation=2, replicas=4)
+    opts.Training.setMeanAccumulationAndReplicationReductionStrategy(strategy)
+    inputs = make_data(2 * 4 * 3)
+    _train(mlp, opts, inputs)
+    _reference(twin, inputs, accumulation=2, replicas=4)
+    assert_same_weights(mlp, twin)
+
+
+def _matmul_rows(graph: torch.fx.GraphModule) -> list:
+    """Rows of the left operand of every matrix multiplication."""
+    operand = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1}
+    return sorted(node.args[operand[node.target]].meta["val"].shape[0]
+                  for node in graph.graph.nodes
+                  if node.op == "call_function" and node.target in operand)
+
+
+def test_vectorised_step_is_one_batch_of_all_replicas(mlp):
+    """No loop over replicas in the graph: it has as many matrix
+    multiplications as the one-replica step, each over R x S rows (or
+    contracting them, for the weight gradients)."""
+    single, _ = _train(copy.deepcopy(mlp), options(), make_data(5))
+    replicated, _ = _train(mlp, options(replicas=4), make_data(20))
+    rows_single = _matmul_rows(single._graphs["update"])
+    rows_replicated = _matmul_rows(replicated._graphs["update"])
+    assert len(rows_replicated) == len(rows_single)
+    assert rows_replicated == sorted(4 * rows if rows == 5 else rows
+                                     for rows in rows_single)
+
+
+def _batchnorm_reference(twin, inputs, replicas, lr=0.1):
+    """Each replica with its own BatchNorm buffers (functional_call), one
+    SGD step on the mean of the replicas' gradients."""
+    params = dict(twin.named_parameters())
+    buffer_sets = [{name: b.clone() for name, b in twin.named_buffers()}
+                   for _ in range(replicas)]
+    optimizer = torch.optim.SGD(twin.parameters(), lr=lr, momentum=0.5)
+    splits = [t.unflatten(0, (replicas, -1)) for t in inputs]
+    optimizer.zero_grad()
+    losses = []
+    for replica in range(replicas):
+        _, loss = torch.func.functional_call(
+            twin, (params, buffer_sets[replica]),
+            tuple(s[replica] for s in splits))
+        (loss / replicas).backward()
+        losses.append(loss.detach())
+    optimizer.step()
+    return torch.stack(losses), buffer_sets
+
+
+def test_batchnorm_statistics_stay_per_replica(twin_bn=None):
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    twin = copy.deepcopy(net)
+    inputs = make_images(4 * 6)
+    model, (_, losses) = _train(net, options(replicas=4,
+                                             broadcastBuffers=False), inputs)
+    expected, buffer_sets = _batchnorm_reference(twin, inputs, 4)
+    assert model._replicas.path == "vectorised"
+    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
+    for name, value in net.named_parameters():
+        torch.testing.assert_close(value, dict(twin.named_parameters())[name],
+                                   atol=1e-6, rtol=1e-5)
+    for name, value in net.named_buffers():
+        torch.testing.assert_close(value, buffer_sets[0][name])
+    assert not torch.equal(buffer_sets[0]["bn.running_mean"],
+                           buffer_sets[1]["bn.running_mean"])
+
+
+class _Doubler(torch.autograd.Function):
+    """An autograd.Function without a vmap rule."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _DoublingMLP(ClassifierMLP):
+    def forward(self, x, y):
+        out = self.fc2(_Doubler.apply(torch.relu(self.fc1(x))))
+        return out, self.loss(out, y)
+
+
+def test_models_vmap_cannot_trace_fall_back_to_sequential(poptorch_log):
+    torch.manual_seed(0)
+    net = _DoublingMLP()
+    twin = copy.deepcopy(net)
+    poptorch_log.set_level("DEBUG", logger="poptorch")
+    inputs = make_data(2 * 2 * 3)
+    model, _ = _train(net, options(accumulation=2, replicas=2), inputs)
+    _reference(twin, inputs, accumulation=2, replicas=2)
+    assert model._replicas.path == "sequential"
+    assert "falling back to the sequential path" in poptorch_log.text
+    assert "autograd.Function" in poptorch_log.text
+    assert_same_weights(net, twin)
+
+
+class _CountingModel(torch.nn.Module):
+    """Inference writes a buffer shared by all replicas."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.calls
+
+
+def test_shared_written_buffers_in_inference_run_replicas_in_turn():
+    model = poptorch.inferenceModel(_CountingModel(), options(replicas=3))
+    out = model(torch.ones(3, 2))
+    assert model._replicas.path == "sequential"
+    torch.testing.assert_close(out, torch.tensor([[1.0] * 2, [2.0] * 2,
+                                                  [3.0] * 2]))
+
+
+@pytest.mark.parametrize("mode, period, factor", [
+    (poptorch.OutputMode.All, 1, 3 * 4),
+    (poptorch.OutputMode.EveryN, 3, 4),
+    (poptorch.OutputMode.Final, 1, 4),
+    (poptorch.OutputMode.Sum, 1, 4)])
+def test_inference_outputs_keep_replica_order(mlp, mode, period, factor):
+    """[D, R] order and every OutputMode's shape, from a vectorised step."""
+    opts = options(device_iterations=3, replicas=4)
+    if mode == poptorch.OutputMode.EveryN:
+        opts.outputMode(mode, period)
+    else:
+        opts.outputMode(mode)
+    x, _ = make_data(3 * 4 * 2)
+    model = poptorch.inferenceModel(copy.deepcopy(mlp), opts)
+    out = model(x)
+    assert model._replicas.path == "vectorised"
+    per_step = mlp(x).detach().unflatten(0, (3, 4, 2))
+    expected = {poptorch.OutputMode.All: per_step,
+                poptorch.OutputMode.EveryN: per_step[2:],
+                poptorch.OutputMode.Final: per_step[2:],
+                poptorch.OutputMode.Sum: per_step.sum(0, keepdim=True)}[mode]
+    assert out.shape == (factor * 2, 3)
+    torch.testing.assert_close(out, expected.flatten(0, 2))
+
+
+@pytest.mark.parametrize("group_type", [poptorch.CommGroupType.Consecutive,
+                                        poptorch.CommGroupType.Orthogonal])
+def test_input_replica_grouping_trains_like_plain_pytorch(mlp, twin,
+                                                          group_type):
+    """4 replicas in groups of 2: the call carries 2 slices per step and
+    each replica reads its group's slice."""
+    opts = options(device_iterations=2, replicas=4,
+                   inputReplicaGrouping=(2, group_type),
+                   outputMode=poptorch.OutputMode.All)
+    x, y = make_data(2 * 2 * 3)
+    model, (_, losses) = _train(mlp, opts, (x, y))
+    slices = [t.unflatten(0, (2, 2, -1)) for t in (x, y)]
+    slice_of = ([0, 0, 1, 1] if group_type == poptorch.CommGroupType.Consecutive
+                else [0, 1, 0, 1])
+    replicated = [torch.stack([s[:, i] for i in slice_of], 1).flatten(0, 2)
+                  for s in slices]
+    expected = _reference(twin, replicated, device_iterations=2, replicas=4)
+    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
+    assert_same_weights(mlp, twin)
+
+
+def test_input_group_size_must_divide_the_replicas(mlp):
+    opts = options(replicas=4, inputReplicaGrouping=(
+        3, poptorch.CommGroupType.Consecutive))
+    model = poptorch.trainingModel(mlp, opts)
+    with pytest.raises(poptorch.Error,
+                       match=r"input_group_size \(3\) must be a factor of "
+                       r"replicationFactor \(4\)"):
+        model(*make_data(3))
+    assert not model.isCompiled()
+
+
+# --- grouped weights (parameter.replicaGrouping) ---------------------------
+
+class _GroupedNet(torch.nn.Module):
+    """``weight`` may be grouped; ``fc`` is shared by all replicas."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(rows, 4, 5))
+        self.fc = torch.nn.Linear(5, 3)
+
+    def forward(self, x, y):
+        out = self.fc(torch.tanh(x @ self.weight))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _group_of(group_type, shards, replicas):
+    if group_type == poptorch.CommGroupType.NoGrouping:
+        return list(range(replicas))
+    count = replicas // shards
+    if group_type == poptorch.CommGroupType.Orthogonal:
+        return [r % count for r in range(replicas)]
+    return [r // shards for r in range(replicas)]
+
+
+def _grouped_reference(weight, fc, inputs, group_of, steps, reduction):
+    """Plain PyTorch: replica r uses weight[group_of[r]]; fc's gradient is
+    reduced over all replicas, each group's weight over its replicas."""
+    replicas = len(group_of)
+    groups = max(group_of) + 1
+    mean = reduction == poptorch.ReductionType.Mean
+    optimizer = torch.optim.SGD([weight, *fc.parameters()], lr=0.1,
+                                momentum=0.5)
+    splits = [t.unflatten(0, (steps, replicas, -1)) for t in inputs]
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for replica in range(replicas):
+            x, y = (s[step, replica] for s in splits)
+            out = fc(torch.tanh(x @ weight[group_of[replica]]))
+            loss = torch.nn.functional.cross_entropy(out, y)
+            (loss / replicas if mean else loss).backward()
+            losses.append(loss.detach())
+        if mean:
+            weight.grad *= groups
+        optimizer.step()
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("group_type, shards", [
+    (poptorch.CommGroupType.Consecutive, 2),
+    (poptorch.CommGroupType.Orthogonal, 2),
+    (poptorch.CommGroupType.NoGrouping, 0)])
+@pytest.mark.parametrize("reduction", [poptorch.ReductionType.Mean,
+                                       poptorch.ReductionType.Sum])
+def test_grouped_weight_trains_each_group_on_its_replicas(group_type, shards,
+                                                          reduction):
+    replicas = 4
+    group_of = _group_of(group_type, shards, replicas)
+    torch.manual_seed(0)
+    net = _GroupedNet(max(group_of) + 1)
+    weight = torch.nn.Parameter(net.weight.detach().clone())
+    fc = copy.deepcopy(net.fc)
+    opts = options(device_iterations=2, replicas=replicas,
+                   outputMode=poptorch.OutputMode.All)
+    opts.Training.accumulationAndReplicationReductionType(reduction)
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(
+        net.parameters(), lr=0.1, momentum=0.5))
+    model.weight.replicaGrouping(group_type, shards,
+                                 poptorch.VariableRetrievalMode.OnePerGroup)
+    inputs = make_data(2 * replicas * 3, features=4)
+    _, losses = model(*inputs)
+    expected = _grouped_reference(weight, fc, inputs, group_of, 2, reduction)
+    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(net.weight, weight, atol=1e-6, rtol=1e-5)
+    assert_same_weights(net.fc, fc)
+
+
+def test_grouped_weight_values_are_set_from_the_host_and_read_per_replica():
+    """AllReplicas: one row per replica on the host (rows of a group equal);
+    new host values reach the device with copyWeightsToDevice."""
+    torch.manual_seed(0)
+    groups = torch.randn(2, 4, 5)
+    net = _GroupedNet(4)
+    with torch.no_grad():
+        net.weight.copy_(groups.repeat_interleave(2, 0))
+    opts = options(replicas=4)
+    model = poptorch.inferenceModel(net, opts)
+    model.weight.replicaGrouping(poptorch.CommGroupType.Consecutive, 2,
+                                 poptorch.VariableRetrievalMode.AllReplicas)
+    x, y = make_data(4 * 2, features=4)
+    out, _ = model(x, y)
+    rows = x.unflatten(0, (4, 2))
+    expected = [net.fc(torch.tanh(rows[r] @ groups[r // 2])) for r in range(4)]
+    torch.testing.assert_close(out, torch.cat(expected).detach())
+    with torch.no_grad():
+        net.weight.copy_(torch.zeros(2, 4, 5).repeat_interleave(2, 0))
+    model.copyWeightsToDevice()
+    out, _ = model(x, y)
+    torch.testing.assert_close(out, net.fc.bias.detach().expand(8, 3))
+
+
+def test_all_replicas_retrieval_returns_every_replica_value_after_training():
+    torch.manual_seed(0)
+    net = _GroupedNet(4)
+    with torch.no_grad():
+        net.weight.copy_(net.weight[:2].repeat_interleave(2, 0))
+    reference = copy.deepcopy(net)
+    model = poptorch.trainingModel(net, options(replicas=4))
+    model.weight.replicaGrouping(poptorch.CommGroupType.Consecutive, 2,
+                                 poptorch.VariableRetrievalMode.AllReplicas)
+    model(*make_data(4 * 2, features=4))
+    assert net.weight.shape == (4, 4, 5)
+    torch.testing.assert_close(net.weight[0], net.weight[1])
+    torch.testing.assert_close(net.weight[2], net.weight[3])
+    assert not torch.allclose(net.weight[0], reference.weight[0])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda w: w.replicaGrouping(poptorch.CommGroupType.Consecutive, 3,
+                                 poptorch.VariableRetrievalMode.OnePerGroup),
+     r"shards \(3\) must divide replicationFactor \(4\); allowed values are "
+     r"\[1, 2, 4\]"),
+    (lambda w: w.replicaGrouping(poptorch.CommGroupType.Consecutive, 4,
+                                 poptorch.VariableRetrievalMode.OnePerGroup),
+     r"'weight' has shape \(2, 4, 5\).*dimension 0 must hold one row per "
+     r"group \(1\)"),
+    (lambda w: w.replicaGrouping(poptorch.CommGroupType.Consecutive, 1,
+                                 poptorch.VariableRetrievalMode.AllReplicas),
+     r"dimension 0 must hold one row per replica \(4\)")])
+def test_bad_groupings_are_errors_at_compilation(call, message):
+    net = _GroupedNet(2)
+    model = poptorch.trainingModel(net, options(replicas=4))
+    call(model.weight)
+    with pytest.raises(poptorch.Error, match=message):
+        model(*make_data(4, features=4))
+    assert not model.isCompiled()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("Consecutive", 2, poptorch.VariableRetrievalMode.OnePerGroup),
+     "comm_group_type must be a poptorch.CommGroupType"),
+    ((poptorch.CommGroupType.Orthogonal, 0,
+      poptorch.VariableRetrievalMode.OnePerGroup),
+     r"shards must be an int >= 1 with CommGroupType.Orthogonal, got 0"),
+    ((poptorch.CommGroupType.Consecutive, 2, 1),
+     "variable_retrieval_mode must be a poptorch.VariableRetrievalMode")])
+def test_bad_replica_grouping_arguments(args, message):
+    with pytest.raises(poptorch.Error, match=message):
+        _GroupedNet(2).weight.replicaGrouping(*args)
+
+
+def test_grouping_after_compilation_is_an_error():
+    net = _GroupedNet(2)
+    model = poptorch.trainingModel(net, options(replicas=2))
+    model.weight.replicaGrouping(poptorch.CommGroupType.Consecutive, 1,
+                                 poptorch.VariableRetrievalMode.OnePerGroup)
+    model(*make_data(2, features=4))
+    with pytest.raises(poptorch.Error, match="already compiled"):
+        model.weight.replicaGrouping(
+            poptorch.CommGroupType.NoGrouping, 0,
+            poptorch.VariableRetrievalMode.OnePerGroup)
+    model.destroy()
+    model.weight.replicaGrouping(poptorch.CommGroupType.NoGrouping, 0,
+                                 poptorch.VariableRetrievalMode.OnePerGroup)
+
+
+def test_unequal_rows_of_a_group_are_an_error():
+    net = _GroupedNet(4)
+    model = poptorch.inferenceModel(net, options(replicas=4))
+    model.weight.replicaGrouping(poptorch.CommGroupType.Consecutive, 2,
+                                 poptorch.VariableRetrievalMode.AllReplicas)
+    with pytest.raises(poptorch.Error, match="rows of the replicas of one "
+                       "group must hold the same value"):
+        model(*make_data(4, features=4))
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda params: poptorch.optim.LAMB(params, lr=0.1),
+    lambda params: poptorch.optim.SGD(params, lr=0.1, max_grad_norm=1.0)])
+def test_updates_mixing_groups_are_errors(optimizer):
+    net = _GroupedNet(2)
+    model = poptorch.trainingModel(net, options(replicas=2),
+                                   optimizer(net.parameters()))
+    model.weight.replicaGrouping(poptorch.CommGroupType.Consecutive, 1,
+                                 poptorch.VariableRetrievalMode.OnePerGroup)
+    with pytest.raises(poptorch.Error, match="not supported with grouped"):
+        model(*make_data(2, features=4))
