@@ -4,7 +4,6 @@ loader's; errors, dead workers and shutdown must be reported or cleaned up
 and never hang."""
 import ctypes
 import faulthandler
-import logging
 import multiprocessing
 import os
 import signal
@@ -20,7 +19,6 @@ import torch
 from torch.utils.data import (Dataset, IterableDataset, TensorDataset,
                               get_worker_info)
 
-from poptorch._impl import logger as logger_module
 from poptorch._impl.data import AsynchronousDataAccessor, DataLoader
 from poptorch.enums import DataLoaderMode, SharingStrategy
 from poptorch.errors import Error
@@ -539,17 +537,6 @@ def test_worker_exits_when_its_parent_is_killed(tmp_path):
     child.kill()
     child.wait()
     assert wait_until(lambda: process_gone(worker_pid))
-
-
-@pytest.fixture
-def poptorch_log(caplog, monkeypatch):
-    """INFO records of the poptorch logger (which does not propagate), with
-    the log-once memory cleared."""
-    monkeypatch.setattr(logger_module, "_said_once", set())
-    caplog.set_level(logging.INFO, logger="poptorch")
-    logger_module.logger.addHandler(caplog.handler)
-    yield caplog
-    logger_module.logger.removeHandler(caplog.handler)
 
 
 def test_knobs_without_effect_are_accepted_and_logged_once(poptorch_log):
