@@ -7,8 +7,10 @@
    sequential replica loop is shown for comparison.
 2. Processes: the same compute-bound training run as 1 process and as 2
    processes started by ``poprun`` (one thread each, gloo gradient
-   all-reduce), in samples/s over all processes (target >= 1.7x on 2
-   cores).
+   all-reduce once per optimizer step of G micro-batches), in samples/s
+   over all processes (target >= 1.7x on 2 cores). The machine must be
+   otherwise idle: another busy process makes one instance wait for the
+   other at every all-reduce.
 
 Run by hand: ``.venv/bin/python benchmarks/replication.py``. Prints
 markdown tables.
@@ -147,6 +149,22 @@ def in_process_table(arguments) -> None:
 
 # --- processes -----------------------------------------------------------
 
+def _time_all_reduces():
+    """Seconds spent in gradient all-reduces (waiting for the other
+    process included), measured by wrapping the process group's call."""
+    from poptorch._impl.distributed import process_group
+    spent = [0.0]
+    original = process_group.ProcessGroup.all_reduce_
+
+    def timed(self, *args):
+        start = time.perf_counter()
+        original(self, *args)
+        spent[0] += time.perf_counter() - start
+
+    process_group.ProcessGroup.all_reduce_ = timed
+    return spent
+
+
 def worker(arguments) -> None:
     """One process of the process benchmark: prints a JSON line with its
     samples/s (process 0 only)."""
@@ -154,29 +172,35 @@ def worker(arguments) -> None:
     import popdist
     import popdist.poptorch
     popdist.init()
+    all_reduce = _time_all_reduces()
     opts = popdist.poptorch.Options()
     opts.deviceIterations(arguments.iterations)
+    opts.Training.gradientAccumulation(arguments.accumulation)
     torch.manual_seed(0)
     model = MLP(arguments.width)
     training = poptorch.trainingModel(model, opts, _optimizer(model))
-    rows = arguments.iterations * arguments.micro_batch
+    rows = (arguments.iterations * arguments.accumulation *
+            arguments.micro_batch)
     x, y = data("mlp", rows, seed=popdist.getInstanceIndex())
     training(x, y)
+    all_reduce[0] = 0.0
     start = time.perf_counter()
     for _ in range(arguments.calls):
         training(x, y)
     elapsed = time.perf_counter() - start
     samples = arguments.calls * rows * popdist.getNumInstances()
     if popdist.getInstanceIndex() == 0:
-        print(json.dumps({"samples_per_second": samples / elapsed}),
+        print(json.dumps({"samples_per_second": samples / elapsed,
+                          "all_reduce_share": all_reduce[0] / elapsed}),
               flush=True)
 
 
-def _run_workers(instances: int, arguments) -> float:
+def _run_workers(instances: int, arguments) -> dict:
     command = [sys.executable, __file__, "--worker",
                "--width", str(arguments.width),
                "--micro-batch", str(arguments.process_micro_batch),
                "--iterations", str(arguments.iterations),
+               "--accumulation", str(arguments.accumulation),
                "--calls", str(arguments.process_calls)]
     if instances > 1:
         command = [sys.executable, "-m", "poptorch.run", "--num-instances",
@@ -184,25 +208,33 @@ def _run_workers(instances: int, arguments) -> float:
                    *command[1:]]
     environment = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True,
-                            env=environment, check=True)
+                            env=environment)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n"
+                           f"{result.stderr[-3000:]}")
     line = next(l for l in result.stdout.splitlines()
                 if l.startswith("{"))
-    return json.loads(line)["samples_per_second"]
+    return json.loads(line)
 
 
 def process_table(arguments) -> None:
     print(f"\n### 1 process vs 2 processes (poprun, 1 thread each, MLP width "
-          f"{arguments.width}, S = {arguments.process_micro_batch}, D = "
-          f"{arguments.iterations}, {arguments.process_calls} calls, best of "
+          f"{arguments.width}, S = {arguments.process_micro_batch}, G = "
+          f"{arguments.accumulation}, D = {arguments.iterations}, "
+          f"{arguments.process_calls} calls, best of "
           f"{arguments.process_repeats})\n")
-    one = max(_run_workers(1, arguments)
-              for _ in range(arguments.process_repeats))
-    two = max(_run_workers(2, arguments)
-              for _ in range(arguments.process_repeats))
-    print("| processes | samples/s (all processes) | speed-up |")
-    print("|---|---|---|")
-    print(f"| 1 | {one:,.0f} | 1.00 |")
-    print(f"| 2 | {two:,.0f} | {two / one:.2f} |")
+    runs = {count: max((_run_workers(count, arguments)
+                        for _ in range(arguments.process_repeats)),
+                       key=lambda run: run["samples_per_second"])
+            for count in (1, 2)}
+    one = runs[1]["samples_per_second"]
+    print("| processes | samples/s (all processes) | speed-up | time in "
+          "gradient all-reduce (process 0, waiting included) |")
+    print("|---|---|---|---|")
+    for count, run in runs.items():
+        print(f"| {count} | {run['samples_per_second']:,.0f} | "
+              f"{run['samples_per_second'] / one:.2f} | "
+              f"{100 * run['all_reduce_share']:.0f}% |")
 
 
 def main() -> None:
@@ -214,14 +246,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--process-micro-batch", type=int, default=256)
-    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=4,
+                        help="gradient accumulation of the process runs: "
+                        "one all-reduce per G micro-batches")
+    parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--process-calls", type=int, default=10)
     parser.add_argument("--process-repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the in-process table")
     parser.add_argument("--skip-processes", action="store_true")
     arguments = parser.parse_args()
     if arguments.worker:
         worker(arguments)
         return
+    torch.set_num_threads(arguments.threads)
     print(f"torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPU cores")

@@ -38,7 +38,7 @@ class CountingBackend(backend_module.Backend):
         self.compiles += 1
         return graph
 
-    def serialize(self, step):
+    def serialize(self, step, portable=False):
         return json.dumps(serialize_graph(step)[0]).encode()
 
     def deserialize(self, data):
@@ -195,6 +195,34 @@ def test_graph_backend_compiles_nothing_to_cache(tmp_path):
     model = poptorch.inferenceModel(BatchNormNet().eval(), opts)
     model(*make_images(4))
     assert os.listdir(tmp_path) == []
+
+
+def test_load_takes_executables_from_the_file(counting, tmp_path):
+    path = tmp_path / "model.poptorch"
+    model = _model(None)
+    x, y = make_images(4)
+    model.compileAndExport(path, x, y)
+    assert counting.compiles == 1
+    loaded = poptorch.load(path)
+    assert counting.compiles == 1 and counting.loads == 1
+    assert torch.equal(loaded(x, y)[1], model(x, y)[1])
+
+
+def test_load_executable_compiles_through_the_cache(counting, tmp_path):
+    path = tmp_path / "exe.poptorch"
+    cache = tmp_path / "cache"
+    model = _model(cache)
+    x, y = make_images(4)
+    model.compileAndExport(path, x, y, export_model=False)
+    fresh = _model(cache)
+    fresh.loadExecutable(path)
+    assert counting.compiles == 1 and counting.loads == 1
+    uncached = _model(None)
+    uncached.loadExecutable(path)
+    assert counting.compiles == 2
+    expected = model(x, y)[1]
+    for other in (fresh, uncached):
+        assert torch.equal(other(x, y)[1], expected)
 
 
 _CHILD = '''

@@ -126,7 +126,7 @@ def test_launcher_rejects_non_positive_counts(capsys):
     assert "must be an integer >= 1, got '0'" in capsys.readouterr().err
 
 
-# --- several processes --------------------------------------------------------
+# --- several processes --------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as probe:

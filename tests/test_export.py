@@ -1,7 +1,6 @@
 """Precompilation: compileAndExport / save write a file that poptorch.load
 (with the model) or loadExecutable (into a re-created model) restore, with
 identical results; files that do not fit raise poptorch.Error saying why."""
-import copy
 import json
 import os
 import subprocess
@@ -75,6 +74,33 @@ def test_load_restores_an_inference_model(tmp_path):
     for expected, got in zip(model(x, y), loaded(x, y)):
         assert torch.equal(expected, got)
     assert loaded.getTensorNames() == model.getTensorNames()
+
+
+class WithConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor([1.0, 2.0, 3.0])
+
+
+def test_graph_constants_are_stored_as_tensors(tmp_path):
+    path = tmp_path / "constant.poptorch"
+    torch.manual_seed(0)
+    model = poptorch.inferenceModel(WithConstant())
+    x = torch.randn(2, 3)
+    model.compileAndExport(path, x, export_model=False)
+    with zipfile.ZipFile(path) as archive:
+        tensors = torch.load(archive.open("tensors.pt"), weights_only=True)
+        graph = json.loads(archive.read("graphs/inference.json"))
+    assert torch.equal(tensors["constants/inference/_tensor_constant0"],
+                       torch.tensor([1.0, 2.0, 3.0]))
+    assert any(node["op"] == "get_attr" for node in graph["nodes"])
+    torch.manual_seed(0)
+    fresh = poptorch.inferenceModel(WithConstant())
+    fresh.loadExecutable(path)
+    assert torch.equal(fresh(x), model(x))
 
 
 def test_load_restores_training_state_and_random_numbers(tmp_path):
@@ -255,9 +281,18 @@ sys.path.insert(0, {tests!r})
 import poptorch
 from poptorch._impl.backends import inductor
 if {forbid_compile}:
+    from torch._inductor import cpp_builder
+    build = cpp_builder.CppBuilder.build
+
     def refuse(*args, **kwargs):
         raise AssertionError("compiled instead of loading the executable")
+
+    def build_no_library(builder):
+        if builder.get_target_file_path().endswith(".so"):
+            refuse()
+        return build(builder)
     inductor.InductorBackend.compile = refuse
+    cpp_builder.CppBuilder.build = build_no_library
 model = poptorch.load({path!r})
 x, y = torch.load({data!r})
 torch.save(model(x, y), {result!r})
@@ -269,8 +304,10 @@ def _load_in_new_process(tmp_path, path, data, forbid_compile=False):
     torch.save(data, data_path)
     code = _CHILD.format(tests=TESTS, path=str(path), data=str(data_path),
                          result=str(result), forbid_compile=forbid_compile)
+    environment = {**os.environ, "POPTORCH_CACHE_DIR": "",
+                   "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=True,
-                   env={**os.environ, "POPTORCH_CACHE_DIR": ""})
+                   env=environment)
     return torch.load(result)
 
 
@@ -288,6 +325,8 @@ def test_load_in_a_new_process_gives_identical_outputs(tmp_path):
 @pytest.mark.slow
 def test_inductor_executable_loads_in_a_new_process_without_compiling(
         tmp_path):
+    """The new process has an empty Inductor cache: the file carries the
+    compiled kernels, so neither the graph nor a kernel is compiled."""
     path = tmp_path / "model.poptorch"
     model = _inference(setBackend="inductor")
     x, y = make_images(4)

@@ -200,8 +200,8 @@ def test_input_replica_grouping_trains_like_plain_pytorch(mlp, twin,
     x, y = make_data(2 * 2 * 3)
     model, (_, losses) = _train(mlp, opts, (x, y))
     slices = [t.unflatten(0, (2, 2, -1)) for t in (x, y)]
-    slice_of = ([0, 0, 1, 1] if group_type == poptorch.CommGroupType.Consecutive
-                else [0, 1, 0, 1])
+    consecutive = group_type == poptorch.CommGroupType.Consecutive
+    slice_of = [0, 0, 1, 1] if consecutive else [0, 1, 0, 1]
     replicated = [torch.stack([s[:, i] for i in slice_of], 1).flatten(0, 2)
                   for s in slices]
     expected = _reference(twin, replicated, device_iterations=2, replicas=4)

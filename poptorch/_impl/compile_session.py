@@ -87,8 +87,7 @@ class CompileSession:
                                       ENVIRONMENT_VARIABLE)
         self.options = compile_time_options(options)
         cache_dir = options.executable_cache_dir
-        self.cache = (ExecutableCache(cache_dir, self.options)
-                      if cache_dir else None)
+        self.cache = ExecutableCache(cache_dir) if cache_dir else None
         self.anchors = Anchors(options.anchored_tensors,
                                options.module_namescope)
         if self.anchors and options.replication_factor > 1:

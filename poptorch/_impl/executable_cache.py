@@ -84,9 +84,8 @@ def executable_key(backend: Backend, graph: torch.fx.GraphModule,
 
 @dataclasses.dataclass
 class ExecutableCache:
-    """One cache directory and what all keys made from it share."""
+    """One cache directory."""
     directory: str
-    options: Dict[str, Any]
 
     @property
     def backend_directory(self) -> str:

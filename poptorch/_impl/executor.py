@@ -176,7 +176,8 @@ class PoplarExecutor(CompiledExecutionMethods):
                                    self._training_flags)
         self._replicas = replication.ReplicaExecution.choose(
             layout, analysis, self._training, grouped,
-            per_replica_buffers=self._buffer_sets() == layout.replicas)
+            self._buffer_sets() == layout.replicas, model_call, state.params,
+            state.buffers, inputs, self._training_flags)
         if self._training:
             self._compile_training(model_call, analysis, state, micro, layout,
                                    inputs)
@@ -226,7 +227,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         settings = StepSettings(
             gradients=GradientReduction.build(
                 self._options.Training, layout.gradient_accumulation,
-                layout.replicas, self._plan.accum_dtype),
+                self._replicas.step_replicas, self._plan.accum_dtype),
             attributes=GlobalAttributes.build(
                 self._plan, self._options.Training.auto_loss_scaling))
         self._optimizer_state = OptimizerDeviceState(

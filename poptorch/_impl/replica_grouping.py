@@ -92,8 +92,8 @@ class ReplicaGrouping:
         rows = self.to_replicas(self.to_groups(tensor, replicas), replicas)
         if not torch.equal(rows, tensor):
             raise Error(
-                f"'{name}' uses {self.describe()}: the rows of the replicas of "
-                "one group must hold the same value (each group has one "
+                f"'{name}' uses {self.describe()}: the rows of the replicas "
+                "of one group must hold the same value (each group has one "
                 "value of the weight)")
 
     # --- rows <-> replicas, as differentiable tensor operations ----------

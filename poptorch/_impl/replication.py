@@ -15,19 +15,22 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   reductions over the batch stay per replica: each replica's loss (a
   mean-reduced loss is the mean over its own S samples), BatchNorm
   statistics and outputs are exactly those of a replica run on its own.
-  Since the gradient of a sum is the sum of the gradients, the step gets the
-  sum of the replicas' gradients, reduced afterwards as on the sequential
-  path (``MeanReductionStrategy.Running`` adds the replicas' mean as one
-  micro-batch of its running mean). Per-replica written buffers are stacked
-  along the replica dimension for the call. This is the "fused batch with
-  an exact loss correction" without analysing the loss: the per-replica
-  losses exist in the graph, so every ``OutputMode`` gets them.
+  The backward pass starts from the replicas' mean loss for
+  ``ReductionType.Mean`` (their sum for ``Sum``), so the step is one
+  micro-batch of the G in an optimizer step (``step_replicas``): since the
+  gradient of a mean is the mean of the gradients, the result is the mean
+  over G x R micro-batches of the sequential path, with no running gradient
+  buffer when G = 1. Per-replica written buffers are stacked along the
+  replica dimension for the call. This is the fused batch with an exact
+  loss correction, without analysing the loss: the per-replica losses exist
+  in the graph, so every ``OutputMode`` gets them.
 * sequential: the replicas' steps run one after another in the device
   loop. It is used when vectorising would change the results (``forward``
   writes its input tensors in place; inference replicas share buffers that
   ``forward`` writes, so each must see the previous one's writes) or when
   vmap cannot trace the model (for example an ``autograd.Function`` without
-  a vmap rule); the reason is logged at DEBUG.
+  a vmap rule; found by tracing the vectorised forward pass once when the
+  model is compiled); the reason is logged at DEBUG.
 
 Outputs keep the [D, G, R] order: the vectorised step returns [R, ...]
 stacked outputs and hands each replica's slice to the output collector.
@@ -96,12 +99,10 @@ class ReplicaExecution:
     and run its steps."""
 
     def __init__(self, layout: BatchLayout, analysis: ModelAnalysis,
-                 grouped: GroupedWeights, per_replica_buffers: bool,
-                 path: str, reason: str) -> None:
+                 grouped: GroupedWeights, path: str, reason: str) -> None:
         self.layout = layout
         self.analysis = analysis
         self.grouped = grouped
-        self.per_replica_buffers = per_replica_buffers
         self.path = path
         self.reason = reason
         self._input_grouping = ReplicaGrouping(
@@ -112,24 +113,43 @@ class ReplicaExecution:
 
     @staticmethod
     def choose(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
-               grouped: GroupedWeights, per_replica_buffers: bool
+               grouped: GroupedWeights, per_replica_buffers: bool,
+               call: ModelCall, params: List[torch.Tensor],
+               buffer_sets: List[List[torch.Tensor]],
+               split: List[torch.Tensor], flags: Dict[str, bool]
                ) -> "ReplicaExecution":
-        """Pick the path for this model; tracing may still fall back from
-        vectorised to sequential (see ``trace_training``)."""
+        """Pick the path for this model. A training model's vectorised
+        forward pass is traced once here, so that the path (and with it the
+        step's reduction settings) is known before the steps are traced;
+        an inference model may still fall back when its step is traced."""
         path, reason = _path_for(layout, analysis, training, grouped,
                                  per_replica_buffers)
         if path == SEQUENTIAL and grouped:
             raise Error(_grouped_needs_vectorised(reason))
-        return ReplicaExecution(layout, analysis, grouped,
-                                per_replica_buffers, path, reason)
+        execution = ReplicaExecution(layout, analysis, grouped, path, reason)
+        if training and path == VECTORISED:
+            try:
+                execution._probe(call, params, buffer_sets, split, flags)
+            except Error as error:
+                execution._fall_back(error)
+        return execution
+
+    @property
+    def step_replicas(self) -> int:
+        """Replicas per captured micro-batch step: R on the sequential
+        path; 1 on the vectorised path, whose step is one micro-batch of
+        the replicas' mean (or, for ReductionType.Sum, summed) loss."""
+        return 1 if self.path == VECTORISED else self.layout.replicas
 
     # --- what the traced steps see --------------------------------------
     def _written_dims(self, count: int) -> List[Optional[int]]:
         written = set(self.analysis.written_buffers)
         return [0 if i in written else None for i in range(count)]
 
-    def _example_buffers(self, buffer_sets: List[List[torch.Tensor]]
+    def _stacked_buffers(self, buffer_sets: List[List[torch.Tensor]]
                          ) -> List[torch.Tensor]:
+        """Written buffers stacked along a replica dimension (one [R, ...]
+        tensor each); the others are the same for every replica."""
         return [torch.stack([s[i] for s in buffer_sets]) if dim == 0
                 else buffer_sets[0][i]
                 for i, dim in enumerate(self._written_dims(
@@ -156,25 +176,57 @@ class ReplicaExecution:
         input_dims = [None if t.dim() == 0 else 0 for t in inputs]
         return params, inputs, param_dims, input_dims
 
-    def _training_forward(self, call: ModelCall, settings) -> Callable:
-        """The vectorised forward pass: the replicas' summed losses (their
-        mean when the gradient buffer keeps a running mean: one vectorised
-        step then counts as one micro-batch of mean gradients)."""
+    def _vectorised_forward(self, call: ModelCall,
+                            reduction: Optional[ReductionType]) -> Callable:
+        """(params, buffers, inputs) -> (the replicas' [R] losses, [R, ...]
+        outputs, [R, ...] written buffers), in one vmap over replicas."""
         micro = functools.partial(micro_batch_forward, call, self.analysis)
-        gradients = settings.gradients
 
         def forward(params, buffers, inputs):
             params, inputs, param_dims, input_dims = self._per_replica(
-                params, inputs, gradients.reduction)
+                params, inputs, reduction)
             dims = (param_dims, self._written_dims(len(buffers)), input_dims)
-            values, outputs, written = torch.func.vmap(
-                micro, in_dims=dims, randomness="different")(
-                    params, buffers, inputs)
-            total = (values.mean() if gradients.keeps_running_mean
-                     else values.sum())
-            return total, outputs, written
+            return torch.func.vmap(micro, in_dims=dims,
+                                   randomness="different")(
+                                       params, buffers, inputs)
 
         return forward
+
+    def _training_forward(self, call: ModelCall,
+                          reduction: ReductionType) -> Callable:
+        """The vectorised step's loss: the replicas' mean for
+        ``ReductionType.Mean`` (the step is one micro-batch, see
+        ``step_replicas``), their sum for ``Sum``."""
+        forward = self._vectorised_forward(call, reduction)
+
+        def loss(params, buffers, inputs):
+            values, outputs, written = forward(params, buffers, inputs)
+            total = (values.sum() if reduction == ReductionType.Sum
+                     else values.mean())
+            return total, outputs, written
+
+        return loss
+
+    def _probe(self, call: ModelCall, params: List[torch.Tensor],
+               buffer_sets: List[List[torch.Tensor]],
+               split: List[torch.Tensor], flags: Dict[str, bool]) -> None:
+        """Trace the vectorised forward pass with gradients recorded, as
+        training runs it; raises ``poptorch.Error`` if vmap cannot."""
+        forward = self._vectorised_forward(call, None)
+        sizes = [len(params), len(buffer_sets[0])]
+
+        def run(*flat):
+            params, buffers, inputs = split_flat(flat, sizes)
+            params = [p.detach().requires_grad_() if p.is_floating_point()
+                      else p for p in params]
+            with torch.enable_grad():
+                values, outputs, written = forward(params, buffers, inputs)
+            return [values] + outputs + written
+
+        example = (params + self._stacked_buffers(buffer_sets) +
+                   self._example_inputs(split))
+        with capture_scope(call.module, flags):
+            trace_user_code(run, example)
 
     # --- tracing ------------------------------------------------------------
     def trace_training(self, call: ModelCall, training, settings,
@@ -192,16 +244,13 @@ class ReplicaExecution:
             self.grouped.check_update(training, settings)
         if self.path == VECTORISED:
             vector_example = dict(example,
-                                  buffers=self._example_buffers(buffer_sets),
+                                  buffers=self._stacked_buffers(buffer_sets),
                                   inputs=self._example_inputs(split))
-            try:
-                return trace_training_step(
-                    call, self.analysis, training, settings, vector_example,
-                    flags, update=update, accumulated=accumulated,
-                    forward=self._training_forward(call, settings),
-                    reduce_gradients=reduce_gradients)
-            except Error as error:
-                self._fall_back(error)
+            return trace_training_step(
+                call, self.analysis, training, settings, vector_example,
+                flags, update=update, accumulated=accumulated,
+                forward=self._training_forward(call, settings.reduction),
+                reduce_gradients=reduce_gradients)
         return trace_training_step(call, self.analysis, training, settings,
                                    example, flags, update=update,
                                    accumulated=accumulated,
@@ -213,7 +262,7 @@ class ReplicaExecution:
                         ) -> Tuple[torch.fx.GraphModule, List[torch.Tensor]]:
         """The inference step for this path and its example inputs."""
         if self.path == VECTORISED:
-            example = (params + self._example_buffers(buffer_sets) +
+            example = (params + self._stacked_buffers(buffer_sets) +
                        self._example_inputs(split))
             try:
                 return self._trace_vectorised_inference(
@@ -271,7 +320,7 @@ class ReplicaExecution:
         if self.path != VECTORISED:
             yield LoopArguments(self.layout, split, buffer_sets, collector)
             return
-        stacked = self._example_buffers(buffer_sets)
+        stacked = self._stacked_buffers(buffer_sets)
         layout = BatchLayout(self.layout.device_iterations,
                              self.layout.gradient_accumulation, 1)
         yield LoopArguments(

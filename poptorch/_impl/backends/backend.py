@@ -27,9 +27,12 @@ class Backend(abc.ABC):
                 example_inputs: List[torch.Tensor]) -> CompiledStep:
         """A callable taking the graph's flat inputs positionally."""
 
-    def serialize(self, step: CompiledStep) -> Optional[bytes]:
+    def serialize(self, step: CompiledStep,
+                  portable: bool = False) -> Optional[bytes]:
         """The compiled step as bytes, or None when there is nothing worth
-        keeping beyond the graph itself."""
+        keeping beyond the graph itself. ``portable`` bytes also hold what
+        the backend keeps in its own cache (compiled kernels), for another
+        machine."""
         return None
 
     def deserialize(self, data: bytes) -> CompiledStep:

@@ -6,21 +6,34 @@ in-place writes to inputs, such as BatchNorm's running statistics or a
 ``forward`` that writes to its argument, still reach the caller; Inductor
 then fuses the operations into generated C++ (CPU) or Triton (CUDA)
 kernels). The result is a bundled artifact that can be turned into bytes
-and loaded in another process without compiling the graph again; the
-kernels' shared objects live in Inductor's cache directory, which
-``storage`` can point into the executable cache.
+and loaded in another process without compiling the graph again. The
+kernels' binaries live in Inductor's cache directory (``storage`` points it
+into the executable cache); portable bytes (exported files) also carry
+them, so that loading on another machine of the same kind compiles
+nothing.
 
-Compilation takes seconds (10-20 s for small models on 2 CPU cores), so the
+Compilation takes seconds (10-25 s for small models on 2 CPU cores), so the
 backend pays off for long runs; the executable cache and exported files
 keep the result.
 """
 import contextlib
-from typing import Iterator, List, Optional
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
 from ...errors import Error
+from ..logger import logger
 from .backend import Backend, CompiledStep, register
+
+_PORTABLE = b"poptorch-inductor-portable\n"
+_ARTIFACT = "artifact.bin"
+_KERNELS = "kernels/"
 
 
 class InductorStep:
@@ -46,14 +59,20 @@ class InductorBackend(Backend):
                                       aot=True)
         return InductorStep(artifact)
 
-    def serialize(self, step: CompiledStep) -> Optional[bytes]:
+    def serialize(self, step: CompiledStep,
+                  portable: bool = False) -> Optional[bytes]:
         if not isinstance(step, InductorStep):
             raise Error("inductor backend: can only serialize steps it "
                         "compiled")
-        return step.artifact.serialize()
+        artifact = step.artifact.serialize()
+        if not portable:
+            return artifact
+        return _PORTABLE + _bundle(artifact, _kernel_files(artifact))
 
     def deserialize(self, data: bytes) -> CompiledStep:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
+        if data.startswith(_PORTABLE):
+            data = _install_kernels(data[len(_PORTABLE):])
         return InductorStep(AOTCompiledArtifact.deserialize(data))
 
     @contextlib.contextmanager
@@ -65,6 +84,85 @@ class InductorBackend(Backend):
             temporary_cache_dir
         with temporary_cache_dir(directory):
             yield
+
+
+_LOAD_INTO = """
+import sys
+import poptorch
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+from torch._inductor.standalone_compile import AOTCompiledArtifact
+with open(sys.argv[1], "rb") as stream:
+    artifact = stream.read()
+with temporary_cache_dir(sys.argv[2]):
+    AOTCompiledArtifact.deserialize(artifact)
+"""
+
+
+def _kernel_files(artifact: bytes) -> Dict[str, bytes]:
+    """The files Inductor's cache needs to load ``artifact`` without
+    compiling: a new process (whose in-memory caches are empty) loads it
+    into an empty cache directory, which compiles its kernels there, and
+    the files it leaves are returned. When that fails (a custom operator
+    only the user's program registers, say), the bundle carries no kernels
+    and loading compiles them."""
+    files = {}
+    with tempfile.TemporaryDirectory() as directory:
+        artifact_path = os.path.join(directory, "artifact.bin")
+        cache = os.path.join(directory, "cache")
+        with open(artifact_path, "wb") as stream:
+            stream.write(artifact)
+        result = subprocess.run(
+            [sys.executable, "-c", _LOAD_INTO, artifact_path, cache],
+            capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            logger.warning("The compiled kernels could not be bundled with "
+                           "the executable (loading it will compile them): "
+                           "%s", result.stderr.strip().splitlines()[-1:])
+            return files
+        for root, _, names in os.walk(cache):
+            for name in names:
+                path = os.path.join(root, name)
+                relative = os.path.relpath(path, cache)
+                if not relative.startswith("locks"):
+                    with open(path, "rb") as stream:
+                        files[relative] = stream.read()
+    return files
+
+
+def _bundle(artifact: bytes, kernels: Dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(_ARTIFACT, artifact)
+        for relative, content in kernels.items():
+            archive.writestr(_KERNELS + relative, content)
+    return buffer.getvalue()
+
+
+def _install_kernels(bundle: bytes) -> bytes:
+    """Put the bundled kernel files into Inductor's current cache directory
+    (existing files are kept) and return the artifact."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    target = os.path.realpath(cache_dir())
+    with zipfile.ZipFile(io.BytesIO(bundle)) as archive:
+        for name in archive.namelist():
+            if not name.startswith(_KERNELS):
+                continue
+            path = os.path.realpath(os.path.join(target,
+                                                 name[len(_KERNELS):]))
+            if not path.startswith(target + os.sep):
+                raise Error(f"inductor executable: the kernel file {name!r} "
+                            "would be written outside the cache directory")
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                _write_new(path, archive.read(name))
+        return archive.read(_ARTIFACT)
+
+
+def _write_new(path: str, data: bytes) -> None:
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "wb") as stream:
+        stream.write(data)
+    os.replace(temporary, path)
 
 
 register(InductorBackend())

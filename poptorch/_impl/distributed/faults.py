@@ -8,7 +8,8 @@ Every process publishes on the run's rendezvous store (under ``poptorch/``):
   ``HEARTBEAT_INTERVAL`` seconds; a peer whose counter stops for
   ``STALE_AFTER`` seconds has stopped (killed, or on a lost host);
 * ``exit/<rank>``: why it ended, written at exit: "raised <exception>" when
-  an exception ended the program, else "exited";
+  an exception ended the program, else "exited" (the process hosting the
+  store then stays until the others have ended, at most the timeout);
 * ``seq/<rank>``: how many collective operations it has started.
 
 ``FaultMonitor.wait`` waits for one collective operation: it returns when
@@ -38,8 +39,10 @@ _CHECK_INTERVAL = 0.25
 class FaultMonitor:
     """Watches the other processes of a run for this process."""
 
-    def __init__(self, store, rank: int, size: int, timeout: float) -> None:
+    def __init__(self, store, rank: int, size: int, timeout: float,
+                 hosts_store: bool) -> None:
         self._store = store
+        self._hosts_store = hosts_store
         self._rank = rank
         self._size = size
         self._timeout = timeout
@@ -72,7 +75,24 @@ class FaultMonitor:
         try:
             self._store.set(f"exit/{self._rank}", reason)
         except Exception:  # the store may already be gone at exit
-            pass
+            return
+        if self._hosts_store:
+            self._linger()
+
+    def _linger(self) -> None:
+        """The process hosting the rendezvous store stays until the others
+        have ended or failed (at most the timeout), so that their last
+        store calls find it."""
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            try:
+                ended = {rank for rank in self._peers()
+                         if self._store.check([f"exit/{rank}"])}
+                if ended | set(self.failed_processes()) >= set(self._peers()):
+                    return
+            except Exception:
+                return
+            time.sleep(_CHECK_INTERVAL)
 
     def _mark_exception(self, kind, value, traceback) -> None:
         self._mark_exit(f"raised {kind.__name__}: {value}")
@@ -121,7 +141,7 @@ class FaultMonitor:
                 behind.append(rank)
         return behind
 
-    # --- waiting --------------------------------------------------------------
+    # --- waiting ----------------------------------------------------------
     def _describe(self, failed: Dict[int, str]) -> str:
         return "; ".join(f"process {rank} {reason}"
                          for rank, reason in sorted(failed.items()))

@@ -11,6 +11,7 @@ hanging.
 """
 import atexit
 import datetime
+import os
 from typing import List
 
 import torch
@@ -36,7 +37,8 @@ class ProcessGroup:
         self.store = dist.PrefixStore(
             _STORE_PREFIX, dist.distributed_c10d._get_default_store())
         self.monitor = FaultMonitor(self.store, self.rank, self.size,
-                                    environment.timeout)
+                                    environment.timeout,
+                                    hosts_store=_hosts_store(self.rank))
         self.blocking = dist.get_backend() == "gloo"
 
     def all_reduce_(self, tensor: torch.Tensor, average: bool,
@@ -89,6 +91,13 @@ def current() -> ProcessGroup:
     if not _current:
         raise Error("This process has not joined a distributed run")
     return _current[0]
+
+
+def _hosts_store(rank: int) -> bool:
+    """Whether this process hosts the rendezvous store: process 0, unless
+    torchrun's agent hosts it."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower()
+    return rank == 0 and agent not in ("1", "true")
 
 
 def _check_existing_group(environment: ProcessEnvironment) -> None:

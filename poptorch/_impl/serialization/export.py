@@ -18,7 +18,7 @@ File format: a zip archive holding
   state (with the model);
 * with ``export_model=True`` only: ``model.pt``, the pickled torch module,
   optimizer and options, and ``executables/<step>.bin``, the backend's
-  compiled code (``inductor``).
+  portable executable (``inductor``: its artifact and compiled kernels).
 
 Loading checks the format and that the versions match exactly, then
 captures the model again (its graphs are a fraction of a second to capture)
@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 from ..._version import __version__
 from ...errors import Error
 from .. import compile_session
-from ..signature import (CallArguments, ConstantLeaf, InputSignature,
+from ..signature import (CallArguments, InputSignature,
                          TensorLeaf, rebuild_call)
 from .graph_format import GraphFormatError, serialize_graph
 
@@ -125,7 +125,8 @@ def write(filename: str, executor, export_model: bool,
             tensors[f"constants/{name}/{attribute}"] = tensor.cpu()
         executable = None
         if export_model:
-            data = session.backend.serialize(session.steps[name])
+            data = session.backend.serialize(session.steps[name],
+                                             portable=True)
             if data is not None:
                 executable = f"executables/{name}.bin"
                 members[executable] = data

@@ -196,12 +196,12 @@ def deserialize_graph(document: Dict[str, Any],
                       constants: Dict[str, torch.Tensor]
                       ) -> torch.fx.GraphModule:
     """The graph module ``serialize_graph`` described."""
-    if not isinstance(document, dict) or \
-            document.get("format_version") != FORMAT_VERSION:
+    version = document.get("format_version") \
+        if isinstance(document, dict) else None
+    if version != FORMAT_VERSION:
         raise GraphFormatError(
-            "the graph was written in an unknown graph format version "
-            f"{document.get('format_version') if isinstance(document, dict) else None!r} "
-            f"(this version reads {FORMAT_VERSION})")
+            f"the graph was written in graph format version {version!r}; "
+            f"this version reads {FORMAT_VERSION}")
     graph = torch.fx.Graph()
     nodes: Dict[str, torch.fx.Node] = {}
     try:
@@ -210,8 +210,7 @@ def deserialize_graph(document: Dict[str, Any],
     except (KeyError, TypeError, ValueError) as error:
         raise GraphFormatError(f"the graph document is malformed: "
                                f"{type(error).__name__}: {error}") from error
-    module = torch.fx.GraphModule(dict(constants), graph)
-    return module
+    return torch.fx.GraphModule(dict(constants), graph)
 
 
 def _add_node(graph: torch.fx.Graph, entry: Dict[str, Any],
