@@ -105,3 +105,19 @@ def test_executor_delegates_attributes_and_repr(mlp):
     assert repr(model) == repr(mlp)
     assert model.model is mlp
     assert model.options.device_iterations == 1
+
+
+def test_plain_tensor_attribute_becomes_a_graph_constant():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+            self.scale = torch.tensor([1.0, 2.0, 3.0])
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    module = Scaled()
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(poptorch.inferenceModel(module, options(2))(x),
+                               module(x))

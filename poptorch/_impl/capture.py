@@ -77,8 +77,11 @@ def trace(fn: Callable, example_inputs: Sequence[torch.Tensor]
 
     The fake tensors have static shapes and no shape environment, so
     anything that needs their data (``.item()``, a data-dependent output
-    shape) raises instead of entering the graph as a symbolic value."""
+    shape) raises instead of entering the graph as a symbolic value. Real
+    tensors the model holds as plain attributes (not buffers) become
+    constants of the graph, frozen at capture like other plain attributes."""
     fake_mode = FakeTensorMode(allow_fallback_kernels=True,
+                               allow_non_fake_inputs=True,
                                static_shapes=True)
     fake_inputs = [fake_mode.from_tensor(t) for t in example_inputs]
     graph_module = make_fx(fn, tracing_mode="fake")(*fake_inputs)

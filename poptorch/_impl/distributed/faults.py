@@ -124,6 +124,8 @@ class FaultMonitor:
 
     def _gone_from_this_host(self, rank: int) -> bool:
         if rank not in self._hosts:
+            if not self._store.check([f"host/{rank}"]):
+                return False
             host, pid = self._store.get(f"host/{rank}").decode().split()
             self._hosts[rank] = (host, int(pid))
         host, pid = self._hosts[rank]
