@@ -8,10 +8,9 @@ Run by hand: ``.venv/bin/python benchmarks/loop_overhead.py``.
 import argparse
 import copy
 import platform
-import statistics
-import time
 
 import torch
+from timing import interleaved_medians
 
 import poptorch
 
@@ -67,6 +66,7 @@ def poptorch_pass(model, x, y, iterations: int, micro_batch: int):
     """One pass over the same data through a training model with
     ``iterations`` device iterations per call."""
     opts = poptorch.Options().deviceIterations(iterations)
+    opts.showCompilationProgressBar(False)
     training = poptorch.trainingModel(
         model, opts,
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
@@ -79,19 +79,6 @@ def poptorch_pass(model, x, y, iterations: int, micro_batch: int):
 
     return one_pass
 
-
-def interleaved_medians(passes, repeats: int):
-    """Median wall time of each pass, run alternately after one warm-up
-    each, so that machine noise affects them alike."""
-    for one_pass in passes:
-        one_pass()
-    times = [[] for _ in passes]
-    for _ in range(repeats):
-        for one_pass, record in zip(passes, times):
-            start = time.perf_counter()
-            one_pass()
-            record.append(time.perf_counter() - start)
-    return [statistics.median(record) for record in times]
 
 
 def main() -> None:

@@ -18,10 +18,9 @@ Ratios are torch / poptorch times (> 1: poptorch is faster). Run by hand:
 import argparse
 import copy
 import platform
-import statistics
-import time
 
 import torch
+from timing import interleaved_medians
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import poptorch
@@ -55,18 +54,6 @@ class Layers(torch.nn.Module):
         out = self.layers(x)
         return out, poptorch.identity_loss(out.square().mean(), "none")
 
-
-def interleaved_medians(passes, repeats: int):
-    """Median wall time of each pass, run alternately after a warm-up."""
-    for one_pass in passes:
-        one_pass()
-    times = [[] for _ in passes]
-    for _ in range(repeats):
-        for one_pass, record in zip(passes, times):
-            start = time.perf_counter()
-            one_pass()
-            record.append(time.perf_counter() - start)
-    return [statistics.median(record) for record in times]
 
 
 def captured_update(optimizer, params, grads):
