@@ -66,7 +66,8 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         "after each call"),
     "appendToLocationExcludes": _SOURCE_LOCATIONS,
     "autoRoundNumIPUs": Effect(
-        NO_EFFECT, "no IPUs are reserved, so there is no IPU count to round"),
+        IMPLEMENTED, "blocks placed on a number of IPUs that is not a power "
+        "of 2 are accepted (the count is rounded up) instead of rejected"),
     "broadcastBuffers": Effect(
         IMPLEMENTED, "with False each replica keeps its own buffers"),
     "connectionType": Effect(
@@ -121,8 +122,9 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         "aot_eager) and whether CUDA devices replay each call as a CUDA "
         "graph; not in PopTorch's API"),
     "setExecutionStrategy": Effect(
-        STORED, "takes effect with execution strategies (pipelined, "
-        "sharded, phased)"),
+        IMPLEMENTED, "places the model's blocks and rejects what PopTorch "
+        "rejects (stage order, pipeline depth, unknown blocks); the stages "
+        "run on one device, one after another, with unchanged numerics"),
     "showCompilationProgressBar": Effect(
         IMPLEMENTED, "a tqdm progress bar is shown on stderr while "
         "compiling"),

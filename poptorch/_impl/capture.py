@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
-from . import losses
+from . import blocks, losses
 from .compile_errors import capture_error
 from .names import module_scopes
 from .weight_sync import host_reads_suspended
@@ -45,10 +45,11 @@ def isRunningOnIpu() -> bool:
 
 
 @contextlib.contextmanager
-def capture_scope(module: torch.nn.Module,
-                   training_flags: Dict[str, bool]) -> Iterator[None]:
+def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
+                  ) -> Iterator[List[blocks.BlockRecord]]:
     """Mark capture in progress and apply the train/eval flags the module had
-    when it was wrapped (PopTorch wraps a shallow copy of the module).
+    when it was wrapped (PopTorch wraps a shallow copy of the module). Yields
+    the list that receives the blocks met, when the scope ends.
 
     Attributes that ``forward`` assigns while it is traced (the spec's
     ``model.i`` example) are frozen into the graph and restored on the host
@@ -56,15 +57,18 @@ def capture_scope(module: torch.nn.Module,
     with host_reads_suspended():
         modules = dict(module.named_modules())
     saved = {name: dict(m.__dict__) for name, m in modules.items()}
+    records: List[blocks.BlockRecord] = []
     _capturing[0] += 1
+    blocks.begin_capture()
     try:
         with host_reads_suspended(), fx_traceback.preserve_node_meta(), \
                 module_scopes(modules):
             for name, flag in training_flags.items():
                 if name in modules:
                     modules[name].training = flag
-            yield
+            yield records
     finally:
+        records.extend(blocks.end_capture())
         _capturing[0] -= 1
         for name, attributes in saved.items():
             modules[name].__dict__.clear()
@@ -133,6 +137,7 @@ class ModelAnalysis:
     written_inputs: List[int]
     final_loss: Optional[int]
     params_reaching_loss: List[int]
+    blocks: List[blocks.BlockRecord]    # annotated blocks, in order met
 
 
 def _placeholders(graph: torch.fx.Graph) -> List[torch.fx.Node]:
@@ -267,7 +272,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return tensors + recorder.losses
 
-    with capture_scope(call.module, training_flags):
+    with capture_scope(call.module, training_flags) as block_records:
         graph = trace_user_code(forward, params + buffers + inputs).graph
     written = _written_placeholders(graph)
     num_state = len(params) + len(buffers)
@@ -276,7 +281,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         written_buffers=[i - len(params) for i in written
                          if len(params) <= i < num_state],
         written_inputs=[i - num_state for i in written if i >= num_state],
-        final_loss=None, params_reaching_loss=[])
+        final_loss=None, params_reaching_loss=[], blocks=block_records)
     if training:
         outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
         loss_nodes = outputs[len(outputs) - found["num_losses"]:]

@@ -15,8 +15,8 @@ from torch.utils import _pytree as pytree
 from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
-from . import (capture, device_loop, distributed, replica_grouping,
-               replication, weight_sync)
+from . import (capture, device_loop, distributed, model_parallel,
+               replica_grouping, replication, weight_sync)
 from .backends.cuda_graphs import CudaGraphCall, cuda_graph_reason
 from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
@@ -25,7 +25,7 @@ from .batching import BatchLayout
 from .capture import ModelCall
 from .device_state import DeviceState
 from .devices import select_device
-from .logger import info_once, logger, warn_once
+from .logger import logger, warn_once
 from .optimizers import device_state as optimizer_state_dict
 from .optimizers.device_state import OptimizerDeviceState
 from .optimizers.global_attributes import GlobalAttributes
@@ -174,6 +174,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         analysis = capture.analyse(model_call, grouped.replica_params(
             state.params), state.buffers[0], micro, self._training,
                                    self._training_flags)
+        model_parallel.check_execution_strategy(
+            self._options, analysis.blocks, self._training, layout)
         self._replicas = replication.ReplicaExecution.choose(
             layout, analysis, self._training, grouped,
             self._buffer_sets() == layout.replicas, model_call, state.params,
@@ -574,10 +576,6 @@ def _check_mode_options(options, training: bool) -> None:
             f"{options.Training.gradient_accumulation} but an inference model "
             "requires gradientAccumulation(1): gradient accumulation only "
             "applies to training models")
-    if options.execution_strategy is not None:
-        info_once("Execution strategies run all stages on one device, one "
-                  "after another, with the same numerics; pipelining across "
-                  "devices is not available yet")
 
 
 def _check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
