@@ -203,11 +203,16 @@ OPTION_EFFECTS: Dict[str, Effect] = {
 
 
 def _announce_effect(option: str) -> None:
-    """Log once at INFO when a knob without effect here is set."""
+    """Log once at INFO when an option without effect here is set: a knob
+    that has none on CPU/GPU, or one whose feature is not available yet."""
     effect = OPTION_EFFECTS[option]
     if effect.kind == NO_EFFECT:
         info_once(f"{option} has no effect on this device (CPU/GPU): "
                   f"{effect.note}. The value is validated and stored.")
+    elif effect.kind == STORED:
+        info_once(f"{option} has no effect yet: it {effect.note}, which is "
+                  "not available in this version. The value is validated "
+                  "and stored.")
 
 
 # --- Argument checks ---

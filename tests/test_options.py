@@ -15,8 +15,8 @@ from poptorch.enums import (CommGroupType, ConnectionType,
                             HalfFloatCastingBehavior, MeanReductionStrategy,
                             OutputMode, ReductionType, SyncPattern)
 from poptorch.errors import Error
-from poptorch.options import (NO_EFFECT, OPTION_EFFECTS, ConfigFileError,
-                              Options, TensorLocationSettings)
+from poptorch.options import (IMPLEMENTED, NO_EFFECT, OPTION_EFFECTS, STORED,
+                              ConfigFileError, Options, TensorLocationSettings)
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "options.md"
 
@@ -721,6 +721,21 @@ def test_knob_without_effect_logs_once_at_info(poptorch_log, path):
 
 def test_options_with_effect_do_not_log(poptorch_log):
     for path, effect in OPTION_EFFECTS.items():
-        if effect.kind != NO_EFFECT:
-            _call(_with_stored_settings(), path)
-    assert poptorch_log.records == []
+        if effect.kind == IMPLEMENTED:
+            opts = _with_stored_settings()
+            poptorch_log.clear()
+            _call(opts, path)
+            assert poptorch_log.records == [], path
+
+
+def test_options_for_features_not_available_yet_log_once(poptorch_log):
+    stored = [path for path, effect in OPTION_EFFECTS.items()
+              if effect.kind == STORED]
+    assert stored
+    for path in stored:
+        _call(_with_stored_settings(), path)
+        _call(_with_stored_settings(), path)
+    messages = poptorch_log.messages
+    for path in stored:
+        assert sum(m.startswith(f"{path} has no effect yet") for m in
+                   messages) == 1, path
