@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import poptorch
 from poptorch._impl.optimizers.plan import plan_optimizer
-from poptorch._impl.training_step import TrainingLayout
+from poptorch._impl.training_step import TrainingLayout, apply_rules
 
 OPTIMIZERS = {
     "SGD momentum": (
@@ -68,21 +68,7 @@ def captured_update(optimizer, params, grads):
     hyper = layout.hyper_values(plan, values[0].device)
 
     def update(values, grads, state, hyper):
-        new_values, new_state, start = list(values), [], 0
-        for group, group_state in zip(layout.groups,
-                                      layout.unflatten_state(state)):
-            names = group.variable_hyper
-            group_hyper = dict(group.constant_hyper)
-            group_hyper.update(zip(names, hyper[start:start + len(names)]))
-            start += len(names)
-            updated, updated_state = group.rule.update(
-                [values[p] for p in group.positions],
-                [grads[p] for p in group.positions], group_state, group_hyper)
-            for p, tensor in zip(group.positions, updated):
-                new_values[p] = tensor
-            for name in group.rule.state_names:
-                new_state.extend(updated_state[name])
-        return new_values, new_state
+        return apply_rules(layout, values, grads, state, hyper)
 
     graph = make_fx(update, tracing_mode="fake")(values, grads, state, hyper)
     carried = {"values": values, "state": state}

@@ -83,6 +83,17 @@ def assert_same_weights(module_a, module_b, atol=1e-6):
                                    rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_same_batches(actual, expected):
+    """Equal batch structures and equal tensors, batch by batch."""
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
+        want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
+        assert got_spec == want_spec
+        for got_leaf, want_leaf in zip(got_leaves, want_leaves):
+            assert torch.equal(got_leaf, want_leaf)
+
+
 @pytest.fixture
 def mlp():
     torch.manual_seed(0)

@@ -23,6 +23,7 @@ from poptorch._impl.data import AsynchronousDataAccessor, DataLoader
 from poptorch.enums import DataLoaderMode, SharingStrategy
 from poptorch.errors import Error
 from poptorch.options import Options
+from conftest import assert_same_batches
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_NAME = "poptorch-async-data-worker"
@@ -110,16 +111,6 @@ def make_options(device_iterations=1, replicas=1, process=None):
 def cloned(batches):
     return [torch.utils._pytree.tree_map(torch.clone, batch)
             for batch in batches]
-
-
-def assert_same_batches(actual, expected):
-    assert len(actual) == len(expected)
-    for got, want in zip(actual, expected):
-        got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
-        want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
-        assert got_spec == want_spec
-        for got_leaf, want_leaf in zip(got_leaves, want_leaves):
-            assert torch.equal(got_leaf, want_leaf)
 
 
 def values(batches):

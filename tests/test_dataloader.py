@@ -12,6 +12,7 @@ from poptorch._impl.data import DataLoader
 from poptorch.enums import CommGroupType, DataLoaderMode
 from poptorch.errors import Error
 from poptorch.options import Options
+from conftest import assert_same_batches
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -66,16 +67,6 @@ def make_options(device_iterations=1, replicas=1, accumulation=1, seed=None,
     if process is not None:
         opts.Distributed.configureProcessId(*process)
     return opts
-
-
-def assert_same_batches(actual, expected):
-    assert len(actual) == len(expected)
-    for got, want in zip(actual, expected):
-        got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
-        want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
-        assert got_spec == want_spec
-        for got_leaf, want_leaf in zip(got_leaves, want_leaves):
-            assert torch.equal(got_leaf, want_leaf)
 
 
 def first_values(batches):

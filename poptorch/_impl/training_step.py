@@ -145,14 +145,12 @@ class StepSettings:
         return self.gradients.reduction
 
 
-def _apply_update(layout: TrainingLayout, settings: StepSettings,
-                  scaling: StepScaling, trainable, grads, state, hyper):
-    grads = scaling.unscale(grads, settings.gradients.divisor())
-    finite = scaling.finite(grads)
-    grads = scaling.clip(grads)
-    new_params = list(trainable)
-    new_state = []
-    hyper_start = 0
+def apply_rules(layout: TrainingLayout, params: List[torch.Tensor],
+                grads: List[torch.Tensor], state: Sequence[torch.Tensor],
+                hyper: Sequence[torch.Tensor]):
+    """Each param group's optimizer rule applied to the trainable
+    ``params``: new params and the new flat optimizer state."""
+    new_params, new_state, hyper_start = list(params), [], 0
     for group, group_state in zip(layout.groups,
                                   layout.unflatten_state(state)):
         names = group.variable_hyper
@@ -161,12 +159,22 @@ def _apply_update(layout: TrainingLayout, settings: StepSettings,
                                             len(names)]))
         hyper_start += len(names)
         updated, updated_state = group.rule.update(
-            [trainable[p] for p in group.positions],
+            [params[p] for p in group.positions],
             [grads[p] for p in group.positions], group_state, group_hyper)
         for p, tensor in zip(group.positions, updated):
             new_params[p] = tensor
         for name in group.rule.state_names:
             new_state.extend(updated_state[name])
+    return new_params, new_state
+
+
+def _apply_update(layout: TrainingLayout, settings: StepSettings,
+                  scaling: StepScaling, trainable, grads, state, hyper):
+    grads = scaling.unscale(grads, settings.gradients.divisor())
+    finite = scaling.finite(grads)
+    grads = scaling.clip(grads)
+    new_params, new_state = apply_rules(layout, trainable, grads, state,
+                                        hyper)
     return scaling.finish(finite, trainable, new_params,
                           state[:layout.state_size()], new_state)
 
