@@ -98,18 +98,28 @@ class TrainingLayout:
         return sum(len(g.variable_hyper) for g in self.groups)
 
 
+    def group_states(self, params: List[torch.Tensor],
+                     torch_states: List[Dict]
+                     ) -> List[Dict[str, List[torch.Tensor]]]:
+        """Each group's initial optimizer state for the trainable ``params``
+        (device tensors, in trainable order) from the torch states."""
+        return [group.rule.init_state([params[p] for p in group.positions],
+                                      [torch_states[p]
+                                       for p in group.positions])
+                for group in self.groups]
+
+    def flatten_state(self, states: Sequence[Dict[str, List[torch.Tensor]]]
+                      ) -> List[torch.Tensor]:
+        """The flat optimizer state of per-group states (inverse of
+        ``unflatten_state``)."""
+        return [tensor for group, state in zip(self.groups, states)
+                for name in group.rule.state_names for tensor in state[name]]
+
     def initial_state(self, params: List[torch.Tensor],
                       torch_states: List[Dict]) -> List[torch.Tensor]:
-        """Flat optimizer state for the trainable ``params`` (device
-        tensors, in trainable order) starting from the torch states."""
-        flat = []
-        for group in self.groups:
-            state = group.rule.init_state([params[p] for p in group.positions],
-                                          [torch_states[p]
-                                           for p in group.positions])
-            for name in group.rule.state_names:
-                flat.extend(state[name])
-        return flat
+        """Flat optimizer state for the trainable ``params`` starting from
+        the torch states."""
+        return self.flatten_state(self.group_states(params, torch_states))
 
     def hyper_values(self, plan: OptimizerPlan,
                      device: torch.device) -> List[torch.Tensor]:
@@ -134,11 +144,6 @@ class StepSettings:
     """Compile-time constants of the training step."""
     gradients: GradientReduction     # the running buffer and its reduction
     attributes: GlobalAttributes     # loss scaling and clipping
-
-    @property
-    def micro_batches_per_step(self) -> int:
-        """G x R."""
-        return self.gradients.micro_batches
 
     @property
     def reduction(self) -> ReductionType:

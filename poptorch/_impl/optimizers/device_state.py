@@ -87,19 +87,13 @@ class OptimizerDeviceState:
         by the exact ``saved`` device states where given, then the automatic
         loss scaling ``scale_state``. Raises ``poptorch.Error`` before
         anything changes when they do not fit."""
-        trainable = self._trainable()
-        flat = []
-        for group in self.layout.groups:
-            params = [trainable[p] for p in group.positions]
-            state = group.rule.init_state(
-                params, [torch_states[p] for p in group.positions])
+        states = self.layout.group_states(self._trainable(), torch_states)
+        for group, state in zip(self.layout.groups, states):
             for j, position in enumerate(group.positions):
                 if saved[position] is not None:
                     _override(state, saved[position], group.rule, j,
                               self.host_params[position])
-            for name in group.rule.state_names:
-                flat.extend(state[name])
-        return flat + scale_state
+        return self.layout.flatten_state(states) + scale_state
 
     def loaded_scale_state(self, extras: Mapping[str, Any]) -> List[Tensor]:
         """The automatic loss scaling state after loading ``extras``: its
