@@ -75,9 +75,10 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
             modules[name].__dict__.update(attributes)
 
 
-def trace(fn: Callable, example_inputs: Sequence[torch.Tensor]
-          ) -> torch.fx.GraphModule:
-    """A graph of ``fn`` over flat tensor inputs.
+def trace(fn: Callable, example_inputs: Sequence[torch.Tensor],
+          keep_detaches: bool = False) -> torch.fx.GraphModule:
+    """A graph of ``fn`` over flat tensor inputs (``keep_detaches`` for a
+    graph that will run under autograd).
 
     The fake tensors have static shapes and no shape environment, so
     anything that needs their data (``.item()``, a data-dependent output
@@ -89,7 +90,8 @@ def trace(fn: Callable, example_inputs: Sequence[torch.Tensor]
                                static_shapes=True)
     fake_inputs = [fake_mode.from_tensor(t) for t in example_inputs]
     graph_module = make_fx(fn, tracing_mode="fake")(*fake_inputs)
-    _remove_detaches(graph_module.graph)
+    if not keep_detaches:
+        _remove_detaches(graph_module.graph)
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
     return graph_module
@@ -293,10 +295,11 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
     return analysis
 
 
-def trace_user_code(fn: Callable, example_inputs) -> torch.fx.GraphModule:
+def trace_user_code(fn: Callable, example_inputs,
+                    keep_detaches: bool = False) -> torch.fx.GraphModule:
     """``trace`` with failures in the user's code reported as poptorch.Error."""
     try:
-        return trace(fn, example_inputs)
+        return trace(fn, example_inputs, keep_detaches)
     except Error:
         raise
     except Exception as error:

@@ -16,7 +16,8 @@ from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
 from . import (capture, device_loop, distributed, model_parallel,
-               replica_grouping, replication, weight_sync)
+               replica_grouping, replication, staged_execution, stages,
+               weight_sync)
 from .backends.cuda_graphs import CudaGraphCall, cuda_graph_reason
 from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
@@ -87,6 +88,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._session = None
         self._timer: Optional[CallTimer] = None
         self._cuda_graph_call: Optional[CudaGraphCall] = None
+        self._staged: Optional[staged_execution.StagedExecution] = None
 
     # --- attribute delegation -------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -174,16 +176,20 @@ class PoplarExecutor(CompiledExecutionMethods):
         analysis = capture.analyse(model_call, grouped.replica_params(
             state.params), state.buffers[0], micro, self._training,
                                    self._training_flags)
-        model_parallel.check_execution_strategy(
+        stage_plan = model_parallel.check_execution_strategy(
             self._options, analysis.blocks, self._training, layout)
         self._replicas = replication.ReplicaExecution.choose(
             layout, analysis, self._training, grouped,
             self._buffer_sets() == layout.replicas, model_call, state.params,
             state.buffers, inputs, self._training_flags)
+        self._staged = None
+        if stage_plan is not None:
+            self._build_stages(stage_plan, model_call, analysis, state, micro,
+                               layout)
         if self._training:
             self._compile_training(model_call, analysis, state, micro, layout,
                                    inputs)
-        else:
+        elif self._staged is None:
             self._compile_inference(model_call, analysis, state, inputs)
         replica_grouping.mark_compiled(self._module, True)
         self._analysis = analysis
@@ -200,6 +206,26 @@ class PoplarExecutor(CompiledExecutionMethods):
         logger.debug("Compiled %s model in %.2f s on %s",
                      "training" if self._training else "inference",
                      time.perf_counter() - start, device)
+
+    def _build_stages(self, plan, model_call, analysis, state, micro,
+                      layout: BatchLayout) -> None:
+        staged_execution.check_supported(
+            layout, self._options.Distributed.numProcesses,
+            bool(self._session.anchors), bool(analysis.written_inputs),
+            len({p.stage_id for p in plan.placements.values()}))
+        graph = stages.trace_forward(model_call, analysis, state.params,
+                                     state.buffers[0], micro, self._training,
+                                     self._training_flags)
+        staged = stages.cut_into_stages(graph, plan.placements, analysis,
+                                        len(state.params),
+                                        len(state.buffers[0]), self._training)
+        trainable = (TrainingLayout.build(
+            self._plan, analysis.params_reaching_loss,
+            len(state.params)).trainable if self._training else [])
+        self._staged = staged_execution.StagedExecution(
+            staged, plan.strategy, state.params, trainable, state.buffers[0],
+            state.device, self._training, layout)
+        self._graphs = {}
 
     def _compile_inference(self, model_call, analysis, state, inputs) -> None:
         graph, example = self._replicas.trace_inference(
@@ -240,12 +266,16 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._hyper = self._optimizer_state.hyper_values(self._plan)
         self._state_location = OptimizerStateLocation(
             self._options.TensorLocations.optimizer_location, state.device)
-        processes = distributed.start_training(
-            self._options, state, micro, bool(self._replicas.grouped))
         example = {"trainable": trainable,
                    "frozen": [state.params[i] for i in training.frozen],
                    "buffers": state.buffers[0], "state": state.optimizer,
                    "hyper": self._hyper, "inputs": micro}
+        self._training_layout = training
+        if self._staged is not None:
+            self._staged.prepare_training(training, settings, example)
+            return
+        processes = distributed.start_training(
+            self._options, state, micro, bool(self._replicas.grouped))
         accumulate = settings.gradients.accumulates
         graphs = {"update": self._replicas.trace_training(
             model_call, training, settings, example, state.buffers, inputs,
@@ -263,7 +293,6 @@ class PoplarExecutor(CompiledExecutionMethods):
             update=compiled["update"], accumulate=compiled.get("accumulate"),
             written_buffers=analysis.written_buffers,
             zeros=settings.gradients.start(trainable) if accumulate else [])
-        self._training_layout = training
         self._graphs = graphs
 
     def _batch_layout(self) -> BatchLayout:
@@ -333,7 +362,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                      timer: Optional[CallTimer]) -> List[torch.Tensor]:
         """Run one call's loop (replayed as a CUDA graph when enabled);
         return the combined output tensors."""
-        if self._cuda_graph_call is None:
+        if self._cuda_graph_call is None and self._staged is None:
             reason = cuda_graph_reason(
                 self._state.device, self._options.cuda_graphs,
                 bool(self._analysis.written_inputs),
@@ -361,7 +390,11 @@ class PoplarExecutor(CompiledExecutionMethods):
             collector = timer.collector(collector)
         with self._replicas.loop(split, self._state.buffers,
                                  collector) as loop:
-            if self._training:
+            if self._staged is not None and not self._training:
+                self._staged.run_inference(self._state.params,
+                                           loop.buffer_sets[0], loop.inputs,
+                                           loop.layout, loop.collector)
+            elif self._training:
                 self._run_training(loop)
             else:
                 device_loop.run_inference(self._steps, self._state.params,
@@ -379,8 +412,12 @@ class PoplarExecutor(CompiledExecutionMethods):
             optimizer=self._state_location.to_device(state.optimizer,
                                                      state.device),
             hyper=self._hyper)
-        device_loop.run_training(self._steps, loop_state, loop.inputs,
-                                 loop.layout, loop.collector)
+        if self._staged is not None:
+            self._staged.run_training(loop_state, loop.inputs, loop.layout,
+                                      loop.collector)
+        else:
+            device_loop.run_training(self._steps, loop_state, loop.inputs,
+                                     loop.layout, loop.collector)
         for index, tensor in zip(training.trainable, loop_state.trainable):
             state.params[index] = tensor
         state.optimizer = self._state_location.to_host(loop_state.optimizer)
@@ -510,7 +547,9 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._training:
             device = self._state.device
             self._hyper = [h.to(device) for h in self._hyper]
-            self._steps.zeros = [z.to(device) for z in self._steps.zeros]
+            if self._staged is None:
+                self._steps.zeros = [z.to(device)
+                                     for z in self._steps.zeros]
 
     def isAttachedToDevice(self) -> bool:
         """True while the model is attached to its device."""

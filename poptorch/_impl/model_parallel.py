@@ -4,24 +4,32 @@ chapter "Multi-IPU execution strategies", API reference 11.5).
 The blocks met while the model is captured are placed by the strategy
 (``Options.setExecutionStrategy``; ``PipelinedExecution(AutoStage.SameAsIpu)``
 when blocks are used without one) and the configurations PopTorch rejects are
-rejected here too, when the model is compiled. The stages then run on the
-one device, one after another, with the numerics of the unannotated model.
+rejected here too, when the model is compiled. Several stages run as
+separate partitions (``staged_execution.py``).
 """
-from typing import Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 from ..enums import AutoStage
 from ..errors import Error
 from .batching import BatchLayout
 from .blocks import BlockRecord
 from .logger import info_once
-from .strategies import PipelinedExecution
+from .strategies import BlockPlacement, PipelinedExecution
+
+
+class StagePlan(NamedTuple):
+    """How a model's blocks are placed, when they form several stages."""
+    strategy: object
+    placements: Dict[str, BlockPlacement]
 
 
 def check_execution_strategy(options, records: Sequence[BlockRecord],
-                             training: bool, layout: BatchLayout) -> None:
-    """Raise ``poptorch.Error`` for block placements PopTorch rejects."""
+                             training: bool, layout: BatchLayout
+                             ) -> Optional[StagePlan]:
+    """Raise ``poptorch.Error`` for block placements PopTorch rejects; the
+    strategy and its placements when the blocks form several stages."""
     if not records:
-        return
+        return None
     strategy = (options.execution_strategy or
                 PipelinedExecution(AutoStage.SameAsIpu))
     placements = strategy.resolve_blocks(records)
@@ -31,8 +39,10 @@ def check_execution_strategy(options, records: Sequence[BlockRecord],
                         options.auto_round_num_ipus)
     if isinstance(strategy, PipelinedExecution) and stages > 1:
         _check_pipeline_depth(stages, training, layout)
-    info_once(f"The model's {stages} stage(s) run on one device, one after "
-              "another, with the same numerics as the unannotated model")
+    if stages == 1:
+        return None
+    return StagePlan(strategy, placements)
+
 
 
 def _check_device_count(ipus_per_replica: int, replicas: int,

@@ -28,7 +28,7 @@ from ..enums import ReductionType
 from . import losses
 from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
-                      trace_user_code)
+                      trace, trace_user_code)
 from .optimizers.global_attributes import GlobalAttributes, StepScaling
 from .optimizers.gradient_reduction import GradientReduction
 from .optimizers.plan import OptimizerPlan
@@ -261,3 +261,27 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             example["state"] + example["hyper"] + running + example["inputs"])
     with capture_scope(call.module, training_flags):
         return trace_user_code(step, flat)
+
+
+def trace_update_step(layout: TrainingLayout, settings: StepSettings,
+                      example: Dict[str, List[torch.Tensor]]
+                      ) -> torch.fx.GraphModule:
+    """The optimizer step alone, for gradients computed outside the graph
+    (multi-stage models, ``staged_execution.py``):
+    (trainable, summed gradients, state, hyper) -> (new trainable, new
+    state). The gradients are the plain sum over the step's micro-batches of
+    the scaled loss's gradients."""
+    trainable = example["trainable"]
+    sizes = [len(trainable), len(trainable), len(example["state"])]
+
+    def update(*flat):
+        params, grads, state, hyper = split_flat(flat, sizes)
+        scaling = settings.attributes.bind(hyper[layout.hyper_size():],
+                                           state[layout.state_size():])
+        new_params, new_state = _apply_update(layout, settings, scaling,
+                                              params, grads, state, hyper)
+        return new_params + new_state
+
+    grads = [torch.zeros_like(t) for t in trainable]
+    return trace(update, trainable + grads + example["state"] +
+                 example["hyper"])

@@ -1,0 +1,65 @@
+"""``PipelinedExecution``: the stages run as a micro-batch pipeline by
+``torch.distributed.pipelining``.
+
+Every stage is a ``PipelineStage``. In one process all the stages are local
+to it and ``ScheduleInterleaved1F1B`` (which holds several stages per
+process) orders their work: forwards of the first micro-batches fill the
+pipeline, then each stage alternates one forward and one backward, and the
+last backwards drain it. The G micro-batches of one optimizer step form one
+schedule step; an inference call's D micro-batches form one forward-only
+step.
+
+The schedule needs a torch.distributed process group: when the process has
+none, a single-process gloo group is created (logged at INFO). The schedule
+sums the micro-batches' gradients into each parameter's ``.grad`` (no
+scaling); the loss it differentiates is the model's loss scaled for the
+step (loss scaling, reduction).
+"""
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (PipelineStage,
+                                          ScheduleInterleaved1F1B)
+
+from .logger import info_once
+from .stages import StageModule, input_name
+
+
+def _single_process_group() -> None:
+    if dist.is_initialized():
+        return
+    info_once("Pipelined execution: torch.distributed.pipelining needs a "
+              "process group; starting a single-process gloo group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+
+
+class PipelineSchedule:
+    """The stages of one process and the schedule that runs them."""
+
+    def __init__(self, modules: List[StageModule], device: torch.device,
+                 micro_batches: int, training: bool) -> None:
+        _single_process_group()
+        self._scale_loss: Optional[Callable] = None
+        stages = []
+        for module in modules:
+            module.skip_effects_once = True
+            stages.append(PipelineStage(module, module.index, len(modules),
+                                        device))
+        self._schedule = ScheduleInterleaved1F1B(
+            stages, micro_batches,
+            loss_fn=self._loss if training else None, scale_grads=False)
+
+    def _loss(self, output, target) -> torch.Tensor:
+        return self._scale_loss(output[-1])
+
+    def run(self, inputs: List[torch.Tensor], micro_batches: int,
+            scale_loss: Optional[Callable] = None) -> None:
+        """One schedule step over the micro-batches stacked in ``inputs``
+        (first dimension: the micro-batch)."""
+        self._scale_loss = scale_loss
+        kwargs = {input_name(i): t for i, t in enumerate(inputs)}
+        target = (torch.zeros(micro_batches)
+                  if scale_loss is not None else None)
+        self._schedule.step(target=target, return_outputs=False, **kwargs)

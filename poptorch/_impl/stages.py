@@ -1,0 +1,258 @@
+"""A multi-stage model as separate partitions: the forward graph cut by
+stage, each stage an ``nn.Module`` that autograd differentiates.
+
+The forward pass is captured once (fake mode, like every capture) as
+
+    (parameters, buffers, micro-batch) -> (written buffers, outputs, [loss])
+
+with each operation carrying its block annotation. The execution strategy's
+placements give every block a stage; the graph is cut into those stages
+(``partition.py``) and each stage becomes a ``StageModule``: its forward pass
+takes the activations of the stage before (positional arguments) and the
+micro-batch (keyword arguments, every stage gets them all) and returns the
+activations the stages after it need. Each stage writes its own buffers as
+its forward pass runs, so the next micro-batch of that stage reads them.
+The last stage also returns the model's outputs and the loss.
+
+Inside a stage, ``recomputationCheckpoint`` cuts the stage's graph into
+segments. In training, every segment but the last runs under
+``torch.utils.checkpoint``: only the segment's inputs (the checkpointed
+tensors) are kept for the backward pass, and the rest of its activations are
+recomputed when the backward pass reaches it.
+"""
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+
+from . import blocks, losses, partition
+from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
+                      split_flat, tensor_outputs, trace_user_code)
+from .strategies import BlockPlacement
+
+_CHECKPOINT = "recomputation_checkpoint"
+
+
+@dataclasses.dataclass
+class StagedGraph:
+    """The forward graph of a model cut into stages."""
+    stages: List[partition.Part]
+    segments: List[List[partition.Part]]  # per stage, see ``segments``
+    num_params: int
+    num_buffers: int
+    written_buffers: List[int]          # buffer indices, as in the outputs
+    num_outputs: int                    # model output tensors
+    has_loss: bool
+    stage_ipus: List[int]
+    stage_phases: List[Optional[int]]
+
+
+def trace_forward(call: ModelCall, analysis: ModelAnalysis,
+                  params: List[torch.Tensor], buffers: List[torch.Tensor],
+                  inputs: List[torch.Tensor], training: bool,
+                  training_flags: Dict[str, bool]) -> fx.GraphModule:
+    """The forward graph (params, buffers, inputs) -> (written buffers,
+    output tensors, [the final loss as a scalar])."""
+
+    def forward(*flat):
+        p, b, x = split_flat(flat, [len(params), len(buffers)])
+        b = clone_written(b, analysis.written_buffers)
+        with losses.LossRecorder() as recorder:
+            output = call(p, b, x)
+        loss = []
+        if training:
+            value = recorder.losses[analysis.final_loss]
+            loss = [value if value.dim() == 0 else value.sum()]
+        return ([b[i] for i in analysis.written_buffers] +
+                tensor_outputs(output) + loss)
+
+    with capture_scope(call.module, training_flags):
+        return trace_user_code(forward, list(params) + list(buffers) +
+                               list(inputs), keep_detaches=True)
+
+
+def cut_into_stages(graph: fx.GraphModule,
+                    placements: Dict[str, BlockPlacement],
+                    analysis: ModelAnalysis, num_params: int,
+                    num_buffers: int, training: bool) -> StagedGraph:
+    """Cut the forward graph by the stage of each block; in training, cut
+    each stage at its recomputation checkpoints too."""
+    blocks.propagate_block_annotations(graph.graph.nodes)
+    stage_ids = sorted({p.stage_id for p in placements.values()})
+    stage_of_block = {block: stage_ids.index(p.stage_id)
+                      for block, p in placements.items()}
+
+    def given(node: fx.Node) -> Optional[int]:
+        block = (node.meta.get("custom") or {}).get(blocks.BLOCK_KEY)
+        return None if block is None else stage_of_block[block]
+
+    parts = partition.assign_parts(graph.graph, given,
+                                   lambda s: f"stage {stage_ids[s]}")
+    written = len(analysis.written_buffers)
+    outputs = partition.output_values(graph.graph)
+    output_parts = [parts.get(o, 0) for o in outputs[:written]]
+    output_parts += [len(stage_ids) - 1] * (len(outputs) - written)
+    stages = partition.split(graph, parts, len(stage_ids), output_parts)
+    by_stage = {p.stage_id: p for p in placements.values()}
+    return StagedGraph(
+        stages=stages,
+        segments=[segments(stage) if training else [] for stage in stages],
+        num_params=num_params, num_buffers=num_buffers,
+        written_buffers=list(analysis.written_buffers),
+        num_outputs=len(outputs) - written - int(training),
+        has_loss=training,
+        stage_ipus=[by_stage[s].ipu_id for s in stage_ids],
+        stage_phases=[by_stage[s].phase_id for s in stage_ids])
+
+
+def _is_checkpoint(node: fx.Node) -> bool:
+    return node.op == "call_function" and \
+        getattr(node.target, "__name__", "").startswith(_CHECKPOINT)
+
+
+def segments(stage: partition.Part) -> List[partition.Part]:
+    """The stage's graph cut after each recomputation checkpoint (a node
+    belongs to the latest segment among its inputs, a checkpoint starts a
+    new one); empty when the stage has no checkpoint. A segment's sources
+    index the stage graph's placeholders."""
+    graph = stage.module.graph
+    segment: Dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        inputs = [segment[s] for s in node.all_input_nodes if s in segment]
+        segment[node] = max(inputs, default=0) + int(_is_checkpoint(node))
+    count = max(segment.values(), default=0) + 1
+    if count == 1:
+        return []
+    return partition.split(stage.module, segment, count)
+
+
+class StageState:
+    """The tensors the stages read: parameters (the trainable ones as
+    ``nn.Parameter`` leaves whose ``.grad`` collects the step's gradient
+    sum) and the buffers, which stages replace as they write them."""
+
+    def __init__(self, params: List[torch.Tensor], trainable: Sequence[int],
+                 buffers: List[torch.Tensor]) -> None:
+        trainable = set(trainable)
+        self.params: List[torch.Tensor] = [
+            torch.nn.Parameter(t, requires_grad=True) if i in trainable
+            else t for i, t in enumerate(params)]
+        self.buffers = buffers
+
+    def rebind(self, params: List[torch.Tensor],
+               buffers: List[torch.Tensor]) -> None:
+        """Point the stages at the current device state."""
+        for i, tensor in enumerate(params):
+            if isinstance(self.params[i], torch.nn.Parameter):
+                self.params[i].data = tensor
+            else:
+                self.params[i] = tensor
+        self.buffers = buffers
+
+    def gradients(self, indices: Sequence[int]) -> List[torch.Tensor]:
+        """The summed gradients of parameters ``indices`` (zeros for those
+        the loss did not reach), then reset for the next step."""
+        grads = []
+        for i in indices:
+            param = self.params[i]
+            grads.append(torch.zeros_like(param) if param.grad is None
+                         else param.grad)
+            param.grad = None
+        return grads
+
+
+class StageModule(torch.nn.Module):
+    """One stage: ``forward(*activations, **micro_batch)``, where each
+    micro-batch tensor comes with a leading dimension of size 1 (a schedule
+    cuts the stacked micro-batches of a step along it).
+
+    ``skip_effects_once`` makes the first call a dry run (no buffer written,
+    no output recorded), for the pipeline schedule's shape inference."""
+
+    def __init__(self, staged: StagedGraph, index: int, state: StageState,
+                 training: bool) -> None:
+        super().__init__()
+        self.index = index
+        self.part = staged.stages[index]
+        self.segments = staged.segments[index]
+        self.is_last = index == len(staged.stages) - 1
+        self.staged = staged
+        self.state = state
+        self.training_stage = training
+        self.recorded: List[List[torch.Tensor]] = []
+        self.skip_effects_once = False
+        for i in self.part.sources:
+            if i < staged.num_params and \
+                    isinstance(state.params[i], torch.nn.Parameter):
+                self.register_parameter(f"param{i}", state.params[i])
+
+    def _source(self, index: int, inputs: Dict[str, torch.Tensor]):
+        staged = self.staged
+        if index < staged.num_params:
+            return self.state.params[index]
+        index -= staged.num_params
+        if index < staged.num_buffers:
+            return self.state.buffers[index]
+        return inputs[input_name(index - staged.num_buffers)][0]
+
+    def forward(self, *carried: torch.Tensor, **inputs: torch.Tensor):
+        if self.training_stage and torch.is_grad_enabled():
+            carried = tuple(_as_differentiable_leaf(t) for t in carried)
+        stage_inputs = list(carried) + [self._source(i, inputs)
+                                        for i in self.part.sources]
+        if self.segments:
+            result = self._run_segments(stage_inputs)
+        else:
+            result = self.part.module(*stage_inputs)
+        passed = tuple(result[:self.part.carried_out])
+        own = list(result[self.part.carried_out:])
+        if self.skip_effects_once:
+            self.skip_effects_once = False
+        else:
+            self._apply_effects(own)
+        if not self.is_last:
+            return passed
+        return tuple(own[-(self.staged.num_outputs +
+                           int(self.staged.has_loss)):])
+
+    def _apply_effects(self, own: List[torch.Tensor]) -> None:
+        written = self.staged.written_buffers
+        for position, value in zip(self.part.own_outputs, own):
+            if position < len(written):
+                self.state.buffers[written[position]] = value.detach()
+        if self.is_last:
+            results = own[len(own) - self.staged.num_outputs -
+                          int(self.staged.has_loss):]
+            self.recorded.append([t.detach() for t in
+                                  results[:self.staged.num_outputs]])
+
+    def _run_segments(self, stage_inputs: List[torch.Tensor]):
+        carried: Sequence[torch.Tensor] = ()
+        for position, segment in enumerate(self.segments):
+            values = list(carried) + [stage_inputs[i]
+                                      for i in segment.sources]
+            if position < len(self.segments) - 1 and \
+                    torch.is_grad_enabled():
+                carried = torch.utils.checkpoint.checkpoint(
+                    segment.module, *values, use_reentrant=False)
+            else:
+                carried = segment.module(*values)
+        return carried
+
+
+def input_name(index: int) -> str:
+    """The keyword under which stages receive micro-batch tensor ``index``."""
+    return f"input{index}"
+
+
+def _as_differentiable_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """Activations from a stage in the same process arrive detached; the
+    stage must still report their gradient to the stage before it."""
+    if tensor.is_leaf and not tensor.requires_grad and \
+            tensor.is_floating_point():
+        tensor.requires_grad_()
+    return tensor
