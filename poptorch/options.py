@@ -123,8 +123,11 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         "graph; not in PopTorch's API"),
     "setExecutionStrategy": Effect(
         IMPLEMENTED, "places the model's blocks and rejects what PopTorch "
-        "rejects (stage order, pipeline depth, unknown blocks); the stages "
-        "run on one device, one after another, with unchanged numerics"),
+        "rejects (stage order, pipeline depth, unknown blocks); several "
+        "stages run as separate partitions on the one device of the process: "
+        "PipelinedExecution training as a 1F1B schedule of "
+        "torch.distributed.pipelining, the other strategies and inference "
+        "stage after stage, with unchanged numerics (docs/model_parallel.md)"),
     "showCompilationProgressBar": Effect(
         IMPLEMENTED, "a tqdm progress bar is shown on stderr while "
         "compiling"),

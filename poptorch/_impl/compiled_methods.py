@@ -47,6 +47,10 @@ class CompiledExecutionMethods:
         ``compileAndExport``); ``save_rng_state`` also saves the random
         number generator's seed and state, which loading restores."""
         self._require_compiled("save")
+        if self._staged is not None:
+            raise Error("save / compileAndExport: exporting a model whose "
+                        "blocks form several stages is not available yet; "
+                        "it compiles again quickly in each process instead")
         _check_bool("save export_model", export_model)
         _check_bool("save save_rng_state", save_rng_state)
         export.write(str(filename), self, export_model, save_rng_state)
@@ -78,6 +82,10 @@ class CompiledExecutionMethods:
         ``names.py`` for the naming scheme); for a training model, those
         of the step that applies the optimizer update."""
         self._require_compiled("getTensorNames")
+        if self._staged is not None:
+            return [name for graph in self._staged.graphs()
+                    for name in tensor_names(graph,
+                                             self._options.module_namescope)]
         graphs = self._session.graphs
         graph = graphs.get("inference", graphs.get("update"))
         return list(tensor_names(graph, self._options.module_namescope))

@@ -26,7 +26,7 @@ from .batching import BatchLayout
 from .capture import ModelCall
 from .device_state import DeviceState
 from .devices import select_device
-from .logger import logger, warn_once
+from .logger import info_once, logger, warn_once
 from .optimizers import device_state as optimizer_state_dict
 from .optimizers.device_state import OptimizerDeviceState
 from .optimizers.global_attributes import GlobalAttributes
@@ -222,6 +222,10 @@ class PoplarExecutor(CompiledExecutionMethods):
         trainable = (TrainingLayout.build(
             self._plan, analysis.params_reaching_loss,
             len(state.params)).trainable if self._training else [])
+        if self._session.backend.name != "graph":
+            info_once(f"The {self._session.backend.name!r} backend does not "
+                      "apply to multi-stage models: their stage partitions "
+                      "run as captured graphs under autograd")
         self._staged = staged_execution.StagedExecution(
             staged, plan.strategy, state.params, trainable, state.buffers[0],
             state.device, self._training, layout)

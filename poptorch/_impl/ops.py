@@ -141,8 +141,10 @@ def nop(tensor: torch.Tensor) -> torch.Tensor:
 
 def recomputationCheckpoint(*tensors: torch.Tensor
                             ) -> Union[torch.Tensor, List[torch.Tensor]]:
-    """Mark values to keep between the forward and backward passes when
-    recomputation is enabled.
+    """Mark values to keep between the forward and backward passes: in the
+    training of a model whose blocks form several stages, the rest of each
+    stage's activations are recomputed in the backward pass
+    (``_impl/stages.py``).
 
     Returns the tensors (the same number and shapes): a tensor for a single
     tensor argument, else a list. Each goes through the op
@@ -156,9 +158,10 @@ def recomputationCheckpoint(*tensors: torch.Tensor
         raise Error("recomputationCheckpoint needs at least one tensor")
     for position, tensor in enumerate(tensors):
         _check_tensor("recomputationCheckpoint", f"tensor {position}", tensor)
-    info_once("recomputationCheckpoint: recomputation is not applied on this "
-              "device yet; the checkpoints are kept in the graph and values "
-              "are unaffected")
+    info_once("recomputationCheckpoint: training models whose blocks form "
+              "several stages keep the checkpointed tensors and recompute the "
+              "rest of each stage's activations in the backward pass; in "
+              "other models the checkpoints change nothing")
     checkpointed = [_apply_identity_op(_checkpoint_op, tensor)
                     for tensor in tensors]
     return checkpointed if given_a_list or len(checkpointed) > 1 \

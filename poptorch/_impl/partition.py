@@ -30,7 +30,6 @@ class Part:
     """One part of a partitioned graph."""
     module: fx.GraphModule
     sources: List[int]          # source placeholder indices, in input order
-    carried_in: int             # number of values from the previous part
     carried_out: int            # number of values for the next part
     own_outputs: List[int]      # source outputs returned after them
 
@@ -155,5 +154,4 @@ def _build_part(module: fx.GraphModule, sources: Dict[fx.Node, int],
     graph.output(tuple(env[o] if isinstance(o, fx.Node) else o
                        for o in returned))
     part = fx.GraphModule(module, graph)
-    return Part(part, [sources[n] for n in used], len(carried), len(later),
-                own)
+    return Part(part, [sources[n] for n in used], len(later), own)

@@ -30,8 +30,9 @@ class SequentialSchedule:
         self._modules = modules
         self._offload = liveness not in (None, Liveness.AlwaysLive)
         if self._offload and device.type == "cpu":
-            info_once(f"{liveness!r}: on a CPU device host and device memory "
-                      "are the same, so phases keep their tensors in place")
+            info_once(f"Liveness.{liveness.name}: on a CPU device host and "
+                      "device memory are the same, so phases keep their "
+                      "tensors in place")
             self._offload = False
 
     def _phase_memory(self):

@@ -60,16 +60,16 @@ def _check_training(settings: StepSettings, params: List[torch.Tensor],
                     stages: int) -> None:
     what = _what(stages)
     gradients = settings.gradients
-    if gradients.keeps_running_mean:
-        raise Error(f"{what} the gradient reduction is MeanReductionStrategy."
-                    "Running: multi-stage models sum gradients over the "
-                    "step's micro-batches; use MeanReductionStrategy.Post.")
     if gradients.accum_dtype is not None and any(
             p.dtype != gradients.accum_dtype for p in params):
         raise Error(f"{what} the optimizer's accum_type is "
                     f"{gradients.accum_dtype}: multi-stage models accumulate "
                     "gradients in the parameters' dtype; leave accum_type "
                     "unset or equal to the parameters' dtype.")
+    if gradients.keeps_running_mean:
+        raise Error(f"{what} the gradient reduction is MeanReductionStrategy."
+                    "Running: multi-stage models sum gradients over the "
+                    "step's micro-batches; use MeanReductionStrategy.Post.")
 
 
 class StagedExecution:
@@ -97,6 +97,10 @@ class StagedExecution:
         self._update: Optional[Callable] = None
         self._training_layout: Optional[TrainingLayout] = None
         self._settings: Optional[StepSettings] = None
+
+    def graphs(self) -> List[torch.fx.GraphModule]:
+        """The stages' forward graphs, in order."""
+        return [module.part.module for module in self._modules]
 
     def prepare_training(self, layout: TrainingLayout,
                          settings: StepSettings,

@@ -15,10 +15,10 @@ its forward pass runs, so the next micro-batch of that stage reads them.
 The last stage also returns the model's outputs and the loss.
 
 Inside a stage, ``recomputationCheckpoint`` cuts the stage's graph into
-segments. In training, every segment but the last runs under
-``torch.utils.checkpoint``: only the segment's inputs (the checkpointed
-tensors) are kept for the backward pass, and the rest of its activations are
-recomputed when the backward pass reaches it.
+segments. In training, each segment runs under ``torch.utils.checkpoint``:
+only the segments' inputs (the stage's inputs and the checkpointed tensors)
+are kept for the backward pass, and the rest of the stage's activations are
+recomputed, a segment at a time, when the backward pass reaches them.
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence
@@ -32,9 +32,6 @@ from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                       split_flat, tensor_outputs, trace_user_code)
 from .strategies import BlockPlacement
 
-_CHECKPOINT = "recomputation_checkpoint"
-
-
 @dataclasses.dataclass
 class StagedGraph:
     """The forward graph of a model cut into stages."""
@@ -45,8 +42,6 @@ class StagedGraph:
     written_buffers: List[int]          # buffer indices, as in the outputs
     num_outputs: int                    # model output tensors
     has_loss: bool
-    stage_ipus: List[int]
-    stage_phases: List[Optional[int]]
 
 
 def trace_forward(call: ModelCall, analysis: ModelAnalysis,
@@ -88,28 +83,28 @@ def cut_into_stages(graph: fx.GraphModule,
         block = (node.meta.get("custom") or {}).get(blocks.BLOCK_KEY)
         return None if block is None else stage_of_block[block]
 
-    parts = partition.assign_parts(graph.graph, given,
-                                   lambda s: f"stage {stage_ids[s]}")
+    def describe(index: int) -> str:
+        names = sorted(b for b, s in stage_of_block.items() if s == index)
+        return f"stage {stage_ids[index]} (block(s) {', '.join(names)})"
+
+    parts = partition.assign_parts(graph.graph, given, describe)
     written = len(analysis.written_buffers)
     outputs = partition.output_values(graph.graph)
     output_parts = [parts.get(o, 0) for o in outputs[:written]]
     output_parts += [len(stage_ids) - 1] * (len(outputs) - written)
     stages = partition.split(graph, parts, len(stage_ids), output_parts)
-    by_stage = {p.stage_id: p for p in placements.values()}
     return StagedGraph(
         stages=stages,
         segments=[segments(stage) if training else [] for stage in stages],
         num_params=num_params, num_buffers=num_buffers,
         written_buffers=list(analysis.written_buffers),
         num_outputs=len(outputs) - written - int(training),
-        has_loss=training,
-        stage_ipus=[by_stage[s].ipu_id for s in stage_ids],
-        stage_phases=[by_stage[s].phase_id for s in stage_ids])
+        has_loss=training)
 
 
 def _is_checkpoint(node: fx.Node) -> bool:
     return node.op == "call_function" and \
-        getattr(node.target, "__name__", "").startswith(_CHECKPOINT)
+        node.target is torch.ops.poptorch.recomputation_checkpoint.default
 
 
 def segments(stage: partition.Part) -> List[partition.Part]:
@@ -200,8 +195,11 @@ class StageModule(torch.nn.Module):
         return inputs[input_name(index - staged.num_buffers)][0]
 
     def forward(self, *carried: torch.Tensor, **inputs: torch.Tensor):
-        if self.training_stage and torch.is_grad_enabled():
+        differentiable = self.training_stage and torch.is_grad_enabled()
+        if differentiable:
             carried = tuple(_as_differentiable_leaf(t) for t in carried)
+        if self.skip_effects_once:
+            _zero_in_place(carried)
         stage_inputs = list(carried) + [self._source(i, inputs)
                                         for i in self.part.sources]
         if self.segments:
@@ -209,6 +207,8 @@ class StageModule(torch.nn.Module):
         else:
             result = self.part.module(*stage_inputs)
         passed = tuple(result[:self.part.carried_out])
+        if differentiable:
+            passed = tuple(_as_differentiable_leaf(t) for t in passed)
         own = list(result[self.part.carried_out:])
         if self.skip_effects_once:
             self.skip_effects_once = False
@@ -232,11 +232,10 @@ class StageModule(torch.nn.Module):
 
     def _run_segments(self, stage_inputs: List[torch.Tensor]):
         carried: Sequence[torch.Tensor] = ()
-        for position, segment in enumerate(self.segments):
+        for segment in self.segments:
             values = list(carried) + [stage_inputs[i]
                                       for i in segment.sources]
-            if position < len(self.segments) - 1 and \
-                    torch.is_grad_enabled():
+            if torch.is_grad_enabled():
                 carried = torch.utils.checkpoint.checkpoint(
                     segment.module, *values, use_reentrant=False)
             else:
@@ -250,9 +249,20 @@ def input_name(index: int) -> str:
 
 
 def _as_differentiable_leaf(tensor: torch.Tensor) -> torch.Tensor:
-    """Activations from a stage in the same process arrive detached; the
-    stage must still report their gradient to the stage before it."""
+    """Floating-point activations passed between stages all take part in the
+    backward pass: those from a stage in the same process arrive detached,
+    and the stage must still report their gradient to the stage before it;
+    those computed without a gradient (a mask, a detached value) get a zero
+    one, so that every stage agrees on which activations have gradients."""
     if tensor.is_leaf and not tensor.requires_grad and \
             tensor.is_floating_point():
         tensor.requires_grad_()
     return tensor
+
+
+@torch.no_grad()
+def _zero_in_place(tensors: Sequence[torch.Tensor]) -> None:
+    """The pipeline's shape inference runs each stage once on uninitialised
+    activations: zeros keep integer activations valid as indices."""
+    for tensor in tensors:
+        tensor.zero_()

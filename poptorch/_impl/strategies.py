@@ -362,9 +362,6 @@ class _PhasedExecution(ExecutionStrategy):
             allowed = ", ".join(Liveness.__members__)
             raise Error("setTensorsLiveness: liveness must be a "
                         f"poptorch.Liveness ({allowed}), not {liveness!r}")
-        info_once(f"setTensorsLiveness(Liveness.{liveness.name}) is accepted "
-                  "but has no effect on this device: tensors stay in device "
-                  "memory between phases")
         self._liveness = liveness
         return self
 

@@ -1,0 +1,425 @@
+"""Model parallelism in one process: throughput and activation memory of
+multi-stage models (blocks placed with ``poptorch.Block`` and an execution
+strategy), each stage a separate partition (``_impl/staged_execution.py``).
+
+1. Throughput. An MLP of K blocks (each two Linear + ReLU of width W)
+   trained with SGD, D device iterations of G micro-batches of S rows per
+   call, in samples/s and as a ratio to the plain PyTorch loop doing the
+   same work (D times: G forward/backward passes, then one optimizer step):
+   ``poptorch.trainingModel`` of the unannotated model (one captured graph),
+   and of the model with one block per stage under ``PipelinedExecution``
+   (``ScheduleInterleaved1F1B`` with all K stages in this process),
+   ``ShardedExecution`` and ``SerialPhasedExecution`` (one stage per
+   phase). Medians of interleaved passes (``timing.interleaved_medians``),
+   one pass being one call (D optimizer steps), with one torch thread by
+   default (``--threads``). The theoretical bubble of a
+   1F1B pipeline of K stages and M = G micro-batches, (K - 1) / (M + K - 1),
+   is printed for reference only: in one process the stages share the
+   device and run one at a time, so there is no concurrency to lose and no
+   bubble to measure. A pipeline over several processes is not available
+   yet.
+
+2. Activation memory. A model of K blocks, each of two residual sub-layers
+   with a wide (4 W) hidden layer and several elementwise operations on it,
+   trained for one optimizer step (G micro-batches) under each strategy,
+   without recomputation checkpoints, with ``poptorch.recomputationCheckpoint``
+   on each block's input, and on each block's output. What is measured is
+   what autograd keeps for the backward pass, through
+   ``torch.autograd.graph.saved_tensors_hooks`` around the call:
+
+   * a saved tensor counts ``numel * element_size`` bytes, once while it is
+     saved: a region (same data pointer and size) saved by several
+     operations counts once until all of them have released it.
+     Parameters (and views of them) are left out: they live anyway.
+   * the pack hook returns a small holder object; autograd drops it when the
+     backward pass no longer needs the tensor (or the graph is freed), and a
+     ``weakref.finalize`` on the holder then takes the bytes off the live
+     count. "Saved per micro-batch" is the sum of all bytes counted over
+     the step divided by G; "peak live" is the maximum of the live count
+     during the step, the measure of what must fit at once.
+   * ``torch.utils.checkpoint`` (non-reentrant, which the stages use) saves
+     a segment's inputs through these hooks and its inner tensors through
+     its own, so a recomputed segment counts only its inputs. The tensors
+     recomputed during the backward pass live only while their segment's
+     backward runs and are not counted; nor are temporaries (gradients,
+     outputs not saved).
+   * a stage with checkpoints runs each of its segments under
+     ``torch.utils.checkpoint`` (``stages.py``), so only the stage's inputs
+     and the checkpointed tensors are kept; the rest is recomputed in the
+     backward pass.
+   * the single-graph path (``trainingModel`` of an unannotated model)
+     traces forward and backward into one graph, so no saved tensors are
+     visible at run time and it is not in this table.
+
+   Per phase of ``SerialPhasedExecution``: forward pre- and post-hooks on
+   the stage modules (``model._staged._modules``) attribute each newly
+   counted tensor to the stage whose forward pass is running; "outside"
+   is what the loss scaling between the last stage and the backward pass
+   saves. That is what a phase would move off the device under a
+   ``Liveness`` other than ``AlwaysLive`` (which has no effect on a CPU).
+
+Run by hand: ``.venv/bin/python benchmarks/model_parallel.py`` (about 20 s
+on 2 CPU cores). Prints markdown tables.
+"""
+import argparse
+import collections
+import copy
+import platform
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from timing import interleaved_medians
+
+import poptorch
+
+
+class MLP(torch.nn.Module):
+    """K blocks of two Linear + ReLU of width W, then a classifier. With
+    ``annotate``, block i is ``poptorch.Block("block{i}", ipu_id=i)``."""
+
+    def __init__(self, width: int, blocks: int):
+        super().__init__()
+        self.annotate = False
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width),
+                                torch.nn.ReLU(),
+                                torch.nn.Linear(width, width),
+                                torch.nn.ReLU())
+            for _ in range(blocks))
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x, y):
+        for index, block in enumerate(self.blocks):
+            if self.annotate:
+                with poptorch.Block(f"block{index}", ipu_id=index):
+                    x = block(x)
+            else:
+                x = block(x)
+        out = self.head(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+class WideBlock(torch.nn.Module):
+    """Two residual sub-layers W -> 4 W -> W with elementwise operations on
+    the wide hidden layer, so that most saved bytes are 4 W wide."""
+
+    def __init__(self, width: int, sublayers: int = 2, expansion: int = 4):
+        super().__init__()
+        self.up = torch.nn.ModuleList(
+            torch.nn.Linear(width, expansion * width)
+            for _ in range(sublayers))
+        self.down = torch.nn.ModuleList(
+            torch.nn.Linear(expansion * width, width)
+            for _ in range(sublayers))
+
+    def forward(self, x):
+        for up, down in zip(self.up, self.down):
+            h = torch.nn.functional.gelu(up(x))
+            h = h * torch.sigmoid(h)
+            h = torch.tanh(h) * h
+            x = x + down(h)
+        return x
+
+
+class WideModel(torch.nn.Module):
+    """K annotated WideBlocks; ``checkpoint`` is None, "input" (a
+    recomputationCheckpoint on each block's input) or "output" (on each
+    block's output)."""
+
+    def __init__(self, width: int, blocks: int,
+                 checkpoint: Optional[str] = None):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.blocks = torch.nn.ModuleList(WideBlock(width)
+                                          for _ in range(blocks))
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x, y):
+        for index, block in enumerate(self.blocks):
+            with poptorch.Block(f"block{index}", ipu_id=index):
+                if self.checkpoint == "input":
+                    x = poptorch.recomputationCheckpoint(x)
+                x = block(x)
+                if self.checkpoint == "output":
+                    x = poptorch.recomputationCheckpoint(x)
+        out = self.head(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _strategies(blocks: int) -> Dict[str, object]:
+    names = [f"block{i}" for i in range(blocks)]
+    return {
+        "PipelinedExecution": poptorch.PipelinedExecution(*names),
+        "ShardedExecution": poptorch.ShardedExecution(*names),
+        "SerialPhasedExecution": poptorch.SerialPhasedExecution(
+            *[[name] for name in names]),
+    }
+
+
+def _options(arguments, strategy=None) -> poptorch.Options:
+    opts = poptorch.Options().deviceIterations(arguments.iterations)
+    opts.Training.gradientAccumulation(arguments.accumulation)
+    opts.showCompilationProgressBar(False)
+    if strategy is not None:
+        opts.setExecutionStrategy(strategy)
+    return opts
+
+
+def _data(arguments, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    rows = arguments.iterations * arguments.accumulation * \
+        arguments.micro_batch
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, width, generator=generator),
+            torch.randint(0, 10, (rows,), generator=generator))
+
+
+# --- throughput ----------------------------------------------------------
+
+def eager_pass(model: torch.nn.Module, x, y, arguments) -> Callable:
+    """The plain loop: D times, G micro-batch backward passes (the loss
+    divided by G, as the Mean reduction does) then one SGD step."""
+    optimizer = _optimizer(model)
+    batches = list(zip(x.split(arguments.micro_batch),
+                       y.split(arguments.micro_batch)))
+    accumulation = arguments.accumulation
+
+    def one_pass():
+        for step in range(arguments.iterations):
+            optimizer.zero_grad()
+            for xb, yb in batches[step * accumulation:
+                                  (step + 1) * accumulation]:
+                _, loss = model(xb, yb)
+                (loss / accumulation).backward()
+            optimizer.step()
+
+    return one_pass
+
+
+def poptorch_pass(model: torch.nn.Module, x, y, arguments,
+                  strategy=None) -> Callable:
+    """One call of a training model: D optimizer steps over the data."""
+    model.annotate = strategy is not None
+    training = poptorch.trainingModel(model, _options(arguments, strategy),
+                                      _optimizer(model))
+    training.compile(x, y)
+    return lambda: training(x, y)
+
+
+def throughput_table(arguments) -> None:
+    blocks, accumulation = arguments.blocks, arguments.accumulation
+    rows = arguments.iterations * arguments.accumulation * \
+        arguments.micro_batch
+    print(f"\n### Training throughput: MLP of K = {blocks} blocks, width "
+          f"{arguments.width}, S = {arguments.micro_batch}, G = "
+          f"{arguments.accumulation}, D = {arguments.iterations} ({rows} "
+          f"samples per call), median of {arguments.repeats} interleaved "
+          "calls\n")
+    torch.manual_seed(0)
+    base = MLP(arguments.width, blocks)
+    x, y = _data(arguments, arguments.width)
+    names = ["plain PyTorch loop", "trainingModel, unannotated (one graph)"]
+    passes = [eager_pass(copy.deepcopy(base), x, y, arguments),
+              poptorch_pass(copy.deepcopy(base), x, y, arguments)]
+    for name, strategy in _strategies(blocks).items():
+        names.append(f"{name}, {blocks} stages")
+        passes.append(poptorch_pass(copy.deepcopy(base), x, y, arguments,
+                                    strategy))
+    seconds = interleaved_medians(passes, arguments.repeats)
+    print("| run | samples/s | ratio to the plain loop |")
+    print("|---|---|---|")
+    for name, per_call in zip(names, seconds):
+        print(f"| {name} | {rows / per_call:,.0f} | "
+              f"{seconds[0] / per_call:.2f} |")
+    bubble = (blocks - 1) / (accumulation + blocks - 1)
+    print(f"\nPipeline of K = {blocks} stages over M = G = {accumulation} "
+          f"micro-batches: theoretical 1F1B bubble (K - 1) / (M + K - 1) = "
+          f"{bubble:.0%} of each stage's time. Here all the stages run in "
+          "one process and share its device: they never run concurrently, "
+          "so there is nothing to overlap and no bubble to measure; a "
+          "pipeline over several processes is not available yet.")
+
+
+# --- memory --------------------------------------------------------------
+
+class _Held:
+    """What the pack hook gives autograd: the saved tensor, in an object
+    whose lifetime is that of the saved slot."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd saves while ``hooks()`` is active,
+    attributed to the running stage (``watch``)."""
+
+    OUTSIDE = "outside"
+
+    def __init__(self):
+        self.live: Dict[Tuple[int, int], List[int]] = {}
+        self.live_bytes = 0
+        self.peak = 0
+        self.total = 0
+        self.by_stage: Dict[object, int] = collections.Counter()
+        self.stage: object = self.OUTSIDE
+        self.excluded: set = set()
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack,
+                                                        self._unpack)
+
+    def watch(self, modules: List[torch.nn.Module]) -> None:
+        """Attribute what each module's forward pass saves to its index;
+        refresh the parameter storages to leave out as it starts (the
+        stages' parameters are rebound at every optimizer step)."""
+        for index, module in enumerate(modules):
+            module.register_forward_pre_hook(
+                lambda mod, args, kwargs, index=index:
+                self._enter(index, modules), with_kwargs=True)
+            module.register_forward_hook(
+                lambda mod, args, output: self._leave())
+
+    def _enter(self, index: int, modules) -> None:
+        self.stage = index
+        self.excluded = {p.untyped_storage().data_ptr()
+                         for module in modules for p in module.parameters()}
+
+    def _leave(self) -> None:
+        self.stage = self.OUTSIDE
+
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.untyped_storage().data_ptr() in self.excluded:
+            return tensor
+        size = tensor.numel() * tensor.element_size()
+        key = (tensor.data_ptr(), size)
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [0, size]
+            self.total += size
+            self.live_bytes += size
+            self.peak = max(self.peak, self.live_bytes)
+            self.by_stage[self.stage] += size
+        entry[0] += 1
+        held = _Held(tensor)
+        weakref.finalize(held, self._release, key)
+        return held
+
+    def _release(self, key: Tuple[int, int]) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self.live[key]
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+
+def measure_step(arguments, checkpoint: Optional[str],
+                 strategy) -> SavedBytes:
+    """What one optimizer step (D = 1, G micro-batches) of the wide model
+    saves for its backward passes (after a first step, which compiles)."""
+    torch.manual_seed(0)
+    model = WideModel(arguments.memory_width, arguments.blocks, checkpoint)
+    opts = _options(arguments, strategy).deviceIterations(1)
+    training = poptorch.trainingModel(model, opts, _optimizer(model))
+    step = copy.copy(arguments)
+    step.iterations = 1
+    x, y = _data(step, arguments.memory_width)
+    training(x, y)
+    counter = SavedBytes()
+    counter.watch(training._staged._modules)
+    with counter.hooks():
+        training(x, y)
+    if counter.live_bytes:
+        print(f"(warning: {counter.live_bytes} saved bytes still held after "
+              "the step)")
+    return counter
+
+
+def _kib(count: float) -> str:
+    return f"{count / 1024:,.0f}"
+
+
+def memory_tables(arguments) -> None:
+    width, blocks = arguments.memory_width, arguments.blocks
+    accumulation = arguments.accumulation
+    print(f"\n### Saved for the backward pass: {blocks} blocks of 2 residual "
+          f"sub-layers {width} -> {4 * width} -> {width}, S = "
+          f"{arguments.micro_batch}, one optimizer step of G = {accumulation} "
+          "micro-batches, KiB\n")
+    variants = {"none": None, "each block's input": "input",
+                "each block's output": "output"}
+    results = {}
+    print("| strategy | recomputationCheckpoint | saved per micro-batch | "
+          "peak live during the step |")
+    print("|---|---|---|---|")
+    for name, strategy in _strategies(blocks).items():
+        for label, checkpoint in variants.items():
+            counter = measure_step(arguments, checkpoint, strategy)
+            results[name, checkpoint] = counter
+            print(f"| {name} | {label} | "
+                  f"{_kib(counter.total / accumulation)} | "
+                  f"{_kib(counter.peak)} |")
+    print("\nWith checkpoints, a stage keeps only its inputs and the "
+          "checkpointed tensors; the rest is recomputed in the backward "
+          "pass. With all the stages in one process, the 1F1B "
+          "schedule starts a micro-batch's backward pass as soon as its "
+          "forward pass leaves the last stage, so it holds about one "
+          "micro-batch's activations at a time, like the sequential "
+          "strategies.")
+    print("\n### SerialPhasedExecution: saved during each phase's forward "
+          "pass, KiB per micro-batch\n")
+    header = " | ".join(f"phase {i}" for i in range(blocks))
+    print(f"| recomputationCheckpoint | {header} | outside the phases |")
+    print("|---|" + "---|" * (blocks + 1))
+    for label, checkpoint in variants.items():
+        counter = results["SerialPhasedExecution", checkpoint]
+        cells = " | ".join(_kib(counter.by_stage[i] / accumulation)
+                           for i in range(blocks))
+        print(f"| {label} | {cells} | "
+              f"{_kib(counter.by_stage[SavedBytes.OUTSIDE] / accumulation)}"
+              " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="K: blocks, one stage each")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--accumulation", type=int, default=8,
+                        help="G: micro-batches per optimizer step; a "
+                        "pipeline needs at least 2 K - 1")
+    parser.add_argument("--iterations", type=int, default=4,
+                        help="D: optimizer steps per call")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--memory-width", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (0: torch's default); one by "
+                        "default, steadier on a shared machine")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    arguments = parser.parse_args()
+    if arguments.accumulation < 2 * arguments.blocks - 1:
+        parser.error("--accumulation must be at least 2 * blocks - 1 for "
+                     "the pipeline")
+    if arguments.threads > 0:
+        torch.set_num_threads(arguments.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}")
+    if not arguments.skip_throughput:
+        throughput_table(arguments)
+    if not arguments.skip_memory:
+        memory_tables(arguments)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,571 @@
+"""Models whose blocks form several stages run as separate stage partitions
+(``staged_execution.py``): with every execution strategy they train and infer
+like plain PyTorch over the same micro-batches, recomputation checkpoints cut
+a stage into segments that keep fewer tensors for the backward pass, and what
+several stages cannot run yet is an error at compilation."""
+import copy
+import functools
+
+import pytest
+import torch
+
+import poptorch
+from poptorch._impl.pipeline import PipelineSchedule
+from poptorch._impl.sequential_stages import SequentialSchedule
+from conftest import assert_same_weights, make_data, options
+
+ITERATIONS, ACCUMULATION, BATCH = 2, 7, 4   # G >= 2K - 1 for K = 4 stages
+ROWS = ITERATIONS * ACCUMULATION * BATCH
+
+close = functools.partial(torch.testing.assert_close, atol=1e-6, rtol=1e-5)
+
+
+class FourBlocks(torch.nn.Module):
+    """Blocks "A" to "D" on IPUs 0 to 3; block "A" has a BatchNorm, so
+    training writes buffers. Without labels, forward returns the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.fc2 = torch.nn.Linear(8, 8)
+        self.fc3 = torch.nn.Linear(8, 8)
+        self.fc4 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y=None):
+        with poptorch.Block("A", ipu_id=0):
+            h = self.bn(torch.relu(self.fc1(x)))
+        with poptorch.Block("B", ipu_id=1):
+            h = torch.tanh(self.fc2(h))
+        with poptorch.Block("C", ipu_id=2):
+            h = torch.tanh(self.fc3(h))
+        with poptorch.Block("D", ipu_id=3):
+            out = self.fc4(h)
+            if y is None:
+                return out
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def serial_phases():
+    # Two phases of two stages each, both phases on IPUs 0 and 1.
+    strategy = poptorch.SerialPhasedExecution(
+        poptorch.Phase(poptorch.Stage("A"), poptorch.Stage("B")),
+        poptorch.Phase(poptorch.Stage("C"), poptorch.Stage("D")))
+    strategy.phase(0).ipus(0, 1)
+    strategy.phase(1).ipus(0, 1)
+    return strategy
+
+
+STRATEGIES = {
+    "pipelined-same-as-ipu": lambda: poptorch.PipelinedExecution(
+        poptorch.AutoStage.SameAsIpu),
+    "pipelined-stages": lambda: poptorch.PipelinedExecution(
+        poptorch.Stage("A"), poptorch.Stage("B"), poptorch.Stage("C"),
+        poptorch.Stage("D")),
+    "sharded": lambda: poptorch.ShardedExecution("A", "B", "C", "D"),
+    "serial-phased": serial_phases,
+    # One single-stage phase per block: IPUs 0, 1, 2, 3 from the blocks,
+    # even phases on even IPUs and odd phases on odd ones.
+    "parallel-phased": lambda: poptorch.ParallelPhasedExecution(
+        ["A"], ["B"], ["C"], ["D"]),
+}
+# The pipeline schedule and the stage-after-stage schedule.
+TWO_SCHEDULES = {name: STRATEGIES[name]
+                 for name in ("pipelined-same-as-ipu", "sharded")}
+# The same for models of any blocks (stages from the blocks' IPUs).
+ANY_BLOCKS = {"pipelined": poptorch.PipelinedExecution,
+              "sharded": poptorch.ShardedExecution}
+
+
+def parametrize_strategies(strategies):
+    return pytest.mark.parametrize("make_strategy", list(strategies.values()),
+                                   ids=list(strategies))
+
+
+def four_blocks_pair():
+    torch.manual_seed(0)
+    net = FourBlocks()
+    return net, copy.deepcopy(net)
+
+
+def plain_training(net, optimizer, x, y, iterations=ITERATIONS,
+                   accumulation=ACCUMULATION, mean=True):
+    """What one training call does, in plain PyTorch: per iteration, the
+    backward passes of G micro-batches (loss / G for Mean) then one step.
+    Returns every micro-batch's outputs (concatenated) and losses."""
+    xs = x.unflatten(0, (iterations, accumulation, -1))
+    ys = y.unflatten(0, (iterations, accumulation, -1))
+    outputs, losses = [], []
+    for i in range(iterations):
+        optimizer.zero_grad()
+        for g in range(accumulation):
+            out, loss = net(xs[i, g], ys[i, g])
+            (loss / accumulation if mean else loss).backward()
+            outputs.append(out.detach())
+            losses.append(loss.detach())
+        optimizer.step()
+    return torch.cat(outputs), torch.stack(losses)
+
+
+def train_both(model, twin, reference, calls=3, mean=True,
+               every_output=False, first_seed=0):
+    """``calls`` calls of ``model`` and the same micro-batches in plain
+    PyTorch; the returned outputs must be equal: the last micro-batch's
+    (OutputMode.Final, the training default) or all of them in order."""
+    for call in range(calls):
+        x, y = make_data(ROWS, seed=first_seed + call)
+        out, loss = model(x, y)
+        outputs, losses = plain_training(twin, reference, x, y, mean=mean)
+        if every_output:
+            assert out.shape == (ROWS, 3)
+            assert loss.shape == (ITERATIONS * ACCUMULATION,)
+            close(out, outputs)
+            close(loss, losses)
+        else:
+            assert out.shape == (BATCH, 3) and loss.dim() == 0
+            close(out, outputs[-BATCH:])
+            close(loss, losses[-1])
+
+
+def assert_trained_like(net, twin, initial):
+    assert_same_weights(net, twin)
+    assert not torch.equal(net.fc1.weight, initial.fc1.weight)
+    assert not torch.equal(net.bn.running_mean, initial.bn.running_mean)
+    calls_micro_batches = 3 * ITERATIONS * ACCUMULATION
+    assert int(net.bn.num_batches_tracked) == calls_micro_batches
+
+
+# --- training with each strategy ---------------------------------------------
+
+@parametrize_strategies(STRATEGIES)
+def test_training_with_momentum_matches_plain_pytorch(make_strategy):
+    net, twin = four_blocks_pair()
+    initial = copy.deepcopy(net)
+    strategy = make_strategy()
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION,
+                     setExecutionStrategy=strategy),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    train_both(model, twin, reference)
+    staged = model._staged
+    assert staged is not None and len(staged._modules) == 4
+    expected = (PipelineSchedule
+                if isinstance(strategy, poptorch.PipelinedExecution)
+                else SequentialSchedule)
+    assert isinstance(staged._schedule, expected)
+    model.copyWeightsToHost()
+    assert_trained_like(net, twin, initial)
+
+
+# --- Sum reduction, loss scaling, every output -------------------------------
+
+@parametrize_strategies(TWO_SCHEDULES)
+def test_sum_reduction_matches_plain_pytorch_without_division(make_strategy):
+    net, twin = four_blocks_pair()
+    initial = copy.deepcopy(net)
+    opts = options(ITERATIONS, ACCUMULATION,
+                   setExecutionStrategy=make_strategy())
+    opts.Training.accumulationAndReplicationReductionType(
+        poptorch.ReductionType.Sum)
+    model = poptorch.trainingModel(
+        net, opts, torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.02, momentum=0.9)
+    train_both(model, twin, reference, mean=False)
+    model.copyWeightsToHost()
+    assert_trained_like(net, twin, initial)
+
+
+@parametrize_strategies(TWO_SCHEDULES)
+def test_loss_scaled_adam_equals_unscaled_torch_adam(make_strategy):
+    net, twin = four_blocks_pair()
+    initial = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION,
+                     setExecutionStrategy=make_strategy()),
+        poptorch.optim.Adam(net.parameters(), lr=0.01, loss_scaling=128.0))
+    reference = torch.optim.Adam(twin.parameters(), lr=0.01)
+    train_both(model, twin, reference)
+    assert model.current_loss_scale == 128.0
+    model.copyWeightsToHost()
+    assert_trained_like(net, twin, initial)
+
+
+@parametrize_strategies(TWO_SCHEDULES)
+def test_output_mode_all_returns_every_micro_batch_in_order(make_strategy):
+    net, twin = four_blocks_pair()
+    initial = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION,
+                     setExecutionStrategy=make_strategy(),
+                     outputMode=poptorch.OutputMode.All),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    train_both(model, twin, reference, every_output=True)
+    model.copyWeightsToHost()
+    assert_trained_like(net, twin, initial)
+
+
+# --- inference ---------------------------------------------------------------
+
+@parametrize_strategies(STRATEGIES)
+def test_inference_equals_the_plain_model(make_strategy):
+    net, twin = four_blocks_pair()
+    net.eval()
+    twin.eval()
+    model = poptorch.inferenceModel(
+        net, options(4, setExecutionStrategy=make_strategy()))
+    for seed in range(2):
+        x, _ = make_data(4 * BATCH, seed=seed)
+        out = model(x)
+        with torch.no_grad():
+            expected = twin(x)
+        assert out.shape == (4 * BATCH, 3)
+        close(out, expected)
+    assert len(model._staged._modules) == 4
+    assert isinstance(model._staged._schedule, SequentialSchedule)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
+# --- recomputation -----------------------------------------------------------
+
+class Recomputed(torch.nn.Module):
+    """Two blocks; block "first" widens its activations to 4 x 1024 for a
+    few elementwise operations (each keeps a wide tensor for the backward
+    pass) before narrowing them again, then, with ``checkpoint``, marks the
+    narrow result as a recomputation checkpoint."""
+
+    def __init__(self, checkpoint):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("first", ipu_id=0):
+            wide = self.fc1(x).repeat(1, 128)
+            for _ in range(4):
+                wide = torch.sin(wide) * wide
+            h = wide.unflatten(1, (128, 8)).mean(1)
+            if self.checkpoint:
+                h = poptorch.recomputationCheckpoint(h)
+            h = torch.tanh(h)
+        with poptorch.Block("second", ipu_id=1):
+            out = self.fc2(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def saved_bytes(function, *args):
+    """Bytes of the tensors autograd saves for backward while ``function``
+    runs, and its result."""
+    total = [0]
+
+    def pack(tensor):
+        total[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = function(*args)
+    return total[0], result
+
+
+def recomputation_run(checkpoint, make_strategy):
+    """One training call (after compilation) of ``Recomputed``, checked
+    against plain PyTorch on the same micro-batches; returns the model and
+    the bytes the call saved for backward."""
+    torch.manual_seed(0)
+    net = Recomputed(checkpoint)
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(1, 3, setExecutionStrategy=make_strategy()),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    x, y = make_data(3 * BATCH)
+    model.compile(x, y)
+    saved, (out, loss) = saved_bytes(model, x, y)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    outputs, losses = plain_training(twin, reference, x, y, 1, 3)
+    close(out, outputs[-BATCH:])
+    close(loss, losses[-1])
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+    return model, saved
+
+
+@parametrize_strategies(ANY_BLOCKS)
+def test_checkpoints_cut_the_stage_into_recomputed_segments(make_strategy):
+    model, with_checkpoint = recomputation_run(True, make_strategy)
+    first, second = model._staged._modules
+    assert len(first.segments) == 2
+    assert second.segments == []
+    plain_model, without = recomputation_run(False, make_strategy)
+    assert [m.segments for m in plain_model._staged._modules] == [[], []]
+    # Without the checkpoint, the wide tensors of 3 micro-batches are kept
+    # (about 16 KiB each); with it, only the segment's inputs are.
+    assert without > 100_000
+    assert with_checkpoint * 10 < without
+
+
+# --- activations between stages ----------------------------------------------
+
+class Crossing(torch.nn.Module):
+    """Three blocks: block "c" adds a value of block "a" (so it passes
+    through "b"); ``fc2`` is used in blocks "b" and "c" (shared weights);
+    with ``mask``, "b" multiplies by a 0/1 mask made by "a", which needs no
+    gradient; with ``index``, "b" gathers at indices made by "a"."""
+
+    def __init__(self, mask=False, index=False):
+        super().__init__()
+        self.mask = mask
+        self.index = index
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 8)
+        self.fc3 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            skip = torch.tanh(self.fc1(x))
+            mask = (skip > 0).float()
+            picked = skip.argmax(1, keepdim=True)
+        with poptorch.Block("b", ipu_id=1):
+            h = torch.tanh(self.fc2(skip))
+            if self.mask:
+                h = h * mask
+            if self.index:
+                h = h + torch.gather(h, 1, picked)
+        with poptorch.Block("c", ipu_id=2):
+            out = self.fc3(torch.tanh(self.fc2(h)) + skip)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def train_crossing(net, make_strategy):
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(2, 5, setExecutionStrategy=make_strategy(),
+                     autoRoundNumIPUs=True),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    for seed in range(2):
+        x, y = make_data(2 * 5 * BATCH, seed=seed)
+        out, loss = model(x, y)
+        outputs, losses = plain_training(twin, reference, x, y, 2, 5)
+        close(out, outputs[-BATCH:])
+        close(loss, losses[-1])
+    assert len(model._staged._modules) == 3
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
+@parametrize_strategies(ANY_BLOCKS)
+def test_values_skipping_a_stage_and_weights_of_two_stages(make_strategy):
+    torch.manual_seed(0)
+    train_crossing(Crossing(), make_strategy)
+
+
+@pytest.mark.parametrize("make_strategy", [
+    poptorch.PipelinedExecution, poptorch.ShardedExecution],
+    ids=["pipelined", "sharded"])
+def test_activations_that_need_no_gradient_pass_between_stages(
+        make_strategy):
+    torch.manual_seed(0)
+    train_crossing(Crossing(mask=True), make_strategy)
+
+
+@parametrize_strategies(ANY_BLOCKS)
+def test_integer_activations_pass_between_stages(make_strategy):
+    """Indices made by one stage and used by the next (the pipeline's shape
+    inference must not run the stage on uninitialised indices)."""
+    torch.manual_seed(0)
+    train_crossing(Crossing(index=True), make_strategy)
+
+
+# --- errors ------------------------------------------------------------------
+
+class Backwards(torch.nn.Module):
+    """Block "a" (IPU 1) computes what block "b" (IPU 0) uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=1):
+            h = torch.tanh(self.fc1(x))
+        with poptorch.Block("b", ipu_id=0):
+            out = self.fc2(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _sgd(net):
+    return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+
+def _running_mean_options():
+    opts = options(1, ACCUMULATION)
+    opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
+        poptorch.MeanReductionStrategy.Running)
+    return opts
+
+
+def _explicit_post_options():
+    opts = options(1, ACCUMULATION)
+    opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
+        poptorch.MeanReductionStrategy.Post)
+    return opts
+
+
+ERRORS = {
+    # Block "b" is stage 0 (IPU 0) but reads the output of "a" (stage 1).
+    "backwards-sharded-same-as-ipu": (
+        Backwards, lambda: options(1, 3, setExecutionStrategy=(
+            poptorch.ShardedExecution())), _sgd, 3 * BATCH,
+        r"stage 0 \(block\(s\) b\) uses a value computed in stage 1 "
+        r"\(block\(s\) a\), which runs after it"),
+    "backwards-serial-phases": (
+        Backwards, lambda: options(1, 3, setExecutionStrategy=(
+            poptorch.SerialPhasedExecution(["b"], ["a"]))), _sgd, 3 * BATCH,
+        r"stage 0 \(block\(s\) b\) uses a value computed in stage 1 "
+        r"\(block\(s\) a\), which runs after it"),
+    "replication": (
+        FourBlocks, lambda: options(1, ACCUMULATION, replicationFactor=2),
+        _sgd, 2 * ACCUMULATION * BATCH,
+        "4 stages, and replicationFactor is 2.*not available yet"),
+    "running-mean": (
+        FourBlocks, _running_mean_options, _sgd, ACCUMULATION * BATCH,
+        "4 stages, and the gradient reduction is "
+        "MeanReductionStrategy.Running"),
+    "anchored-tensor": (
+        FourBlocks, lambda: options(1, ACCUMULATION, anchorTensor=(
+            "hidden", "fc2/Tanh")), _sgd, ACCUMULATION * BATCH,
+        "4 stages, and tensors are anchored: anchorTensor is not available"),
+    "float16-accum-type": (
+        FourBlocks, _explicit_post_options,
+        lambda net: poptorch.optim.SGD(net.parameters(), lr=0.1,
+                                       accum_type=torch.float16),
+        ACCUMULATION * BATCH, "the optimizer's accum_type is torch.float16"),
+}
+
+
+@pytest.mark.parametrize("make_net, make_options, make_optimizer, rows, "
+                         "message", list(ERRORS.values()), ids=list(ERRORS))
+def test_unsupported_configurations_fail_to_compile_leaving_weights(
+        make_net, make_options, make_optimizer, rows, message):
+    torch.manual_seed(0)
+    net = make_net()
+    before = copy.deepcopy(net.state_dict())
+    model = poptorch.trainingModel(net, make_options(), make_optimizer(net))
+    with pytest.raises(poptorch.Error, match=message):
+        model(*make_data(rows))
+    assert not model.isCompiled()
+    after = net.state_dict()
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+
+
+def test_the_pipeline_rejects_backwards_blocks_before_partitioning():
+    model = poptorch.trainingModel(Backwards(), options(1, 3))
+    with pytest.raises(poptorch.Error, match="block 'b' \\(stage 0\\) runs "
+                                             "after block 'a' \\(stage 1\\)"):
+        model(*make_data(3 * BATCH))
+
+
+def test_inference_with_anchored_tensors_is_an_error():
+    model = poptorch.inferenceModel(FourBlocks().eval(), options(
+        4, anchorTensor=("hidden", "fc2/Tanh")))
+    with pytest.raises(poptorch.Error, match="anchorTensor is not available "
+                                             "for multi-stage models"):
+        model(make_data(4 * BATCH)[0])
+
+
+# --- liveness on the CPU -----------------------------------------------------
+
+LIVENESS_MESSAGE = "host and device memory are the same"
+
+
+@pytest.mark.parametrize("make_strategy", [
+    serial_phases,
+    lambda: poptorch.ParallelPhasedExecution(["A"], ["B"], ["C"], ["D"])],
+    ids=["serial-phased", "parallel-phased"])
+def test_off_chip_liveness_on_the_cpu_is_logged_once_and_changes_nothing(
+        poptorch_log, make_strategy):
+    net, twin = four_blocks_pair()
+    initial = copy.deepcopy(net)
+    strategy = make_strategy()
+    strategy.setTensorsLiveness(poptorch.Liveness.OffChipAfterFwd)
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION, setExecutionStrategy=strategy),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    train_both(model, twin, reference)
+    said = [m for m in poptorch_log.messages if LIVENESS_MESSAGE in m]
+    assert len(said) == 1
+    assert "OffChipAfterFwd" in said[0]
+    model.copyWeightsToHost()
+    assert_trained_like(net, twin, initial)
+
+
+def test_always_live_phases_log_nothing_about_liveness(poptorch_log):
+    net, _ = four_blocks_pair()
+    model = poptorch.trainingModel(
+        net, options(1, 3, setExecutionStrategy=serial_phases()),
+        torch.optim.SGD(net.parameters(), lr=0.1))
+    model(*make_data(3 * BATCH))
+    assert not any(LIVENESS_MESSAGE in m for m in poptorch_log.messages)
+
+
+# --- weights on the host, other models, setOptimizer -------------------------
+
+def test_trained_weights_reach_the_host_and_inference_models():
+    net, twin = four_blocks_pair()
+    x, _ = make_data(4 * BATCH, seed=10)
+    net.eval()
+    inference = poptorch.inferenceModel(net, options(4))
+    with torch.no_grad():
+        close(inference(x), twin.eval()(x))
+    assert inference._staged is not None
+    net.train()
+    twin.train()
+    training = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    train_both(training, twin, reference, calls=1)
+    assert training._staged is not None
+    twin.eval()
+    with torch.no_grad():
+        expected = twin(x)
+    # The inference model compiled before training sees the new weights.
+    close(inference(x), expected)
+    # So does one created afterwards on the same module.
+    net.eval()
+    later = poptorch.inferenceModel(net, options(4))
+    close(later(x), expected)
+    training.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
+def test_set_optimizer_changes_the_learning_rate_from_the_next_call():
+    net, twin = four_blocks_pair()
+    initial = copy.deepcopy(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION), optimizer)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    train_both(model, twin, reference, calls=1)
+    staged = model._staged
+    optimizer.param_groups[0]["lr"] = 0.5
+    model.setOptimizer(optimizer)
+    reference.param_groups[0]["lr"] = 0.5
+    train_both(model, twin, reference, calls=2, first_seed=1)
+    assert model._staged is staged
+    model.copyWeightsToHost()
+    assert_trained_like(net, twin, initial)
+    # Had the new rate been ignored, the weights would differ.
+    _, unchanged_twin = four_blocks_pair()
+    slow = torch.optim.SGD(unchanged_twin.parameters(), lr=0.1,
+                           momentum=0.9)
+    for call in range(3):
+        plain_training(unchanged_twin, slow, *make_data(ROWS, seed=call))
+    assert not torch.allclose(unchanged_twin.fc1.weight, twin.fc1.weight)
