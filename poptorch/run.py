@@ -14,6 +14,15 @@ variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``popdist.poptorch.Options`` read. ``OMP_NUM_THREADS`` defaults to 1 when
 one host runs several instances, as with torchrun.
 
+With more instances than replicas, each replica's ``--ipus-per-replica``
+IPUs spread over ``num-instances / num-replicas`` consecutive instances:
+
+    poprun --num-instances 2 --num-replicas 1 --ipus-per-replica 2 train.py
+
+runs a model of two pipeline stages as two processes, one stage each
+(``_impl/distributed/pipeline_processes.py``); every instance has one local
+replica.
+
 If an instance fails, the agent stops the others and ``poprun`` exits
 with a non-zero status naming the failed instance(s).
 
@@ -90,11 +99,15 @@ def check_arguments(arguments: argparse.Namespace) -> None:
     """Raise ``poptorch.Error`` for an inconsistent command line."""
     if not arguments.program:
         raise Error(f"poprun: no program given ({_PROGRAM_HELP})")
-    if arguments.num_replicas % arguments.num_instances:
+    if arguments.num_replicas % arguments.num_instances and \
+            not _replicas_span_instances(arguments):
         raise Error(f"poprun: --num-replicas ({arguments.num_replicas}) must "
                     "be a multiple of --num-instances "
-                    f"({arguments.num_instances}): each instance runs the "
-                    "same number of replicas")
+                    f"({arguments.num_instances}), so that each instance "
+                    "runs the same number of replicas, or each replica's "
+                    f"--ipus-per-replica ({arguments.ipus_per_replica}) "
+                    "must split evenly over num-instances / num-replicas "
+                    "instances (one pipeline stage per instance)")
     if arguments.num_instances % arguments.num_hosts:
         raise Error(f"poprun: --num-instances ({arguments.num_instances}) "
                     f"must be a multiple of --num-hosts "
@@ -104,13 +117,22 @@ def check_arguments(arguments: argparse.Namespace) -> None:
                     f"{arguments.num_hosts - 1}, got {arguments.host_rank}")
 
 
+def _replicas_span_instances(arguments: argparse.Namespace) -> bool:
+    """Whether each replica spreads its IPUs (pipeline stages) evenly over
+    several instances."""
+    if arguments.num_instances % arguments.num_replicas:
+        return False
+    per_replica = arguments.num_instances // arguments.num_replicas
+    return arguments.ipus_per_replica % per_replica == 0
+
+
 def _instance_environment(arguments: argparse.Namespace,
                           per_host: int) -> None:
     """What every instance finds in its environment."""
     os.environ["POPDIST_NUM_INSTANCES"] = str(arguments.num_instances)
     os.environ["POPDIST_NUM_TOTAL_REPLICAS"] = str(arguments.num_replicas)
     os.environ["POPDIST_NUM_LOCAL_REPLICAS"] = str(
-        arguments.num_replicas // arguments.num_instances)
+        max(1, arguments.num_replicas // arguments.num_instances))
     os.environ["POPDIST_NUM_IPUS_PER_REPLICA"] = str(
         arguments.ipus_per_replica)
     if arguments.timeout is not None:

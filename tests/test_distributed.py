@@ -109,6 +109,8 @@ def test_grouped_weights_are_refused_in_a_distributed_run():
 @pytest.mark.parametrize("arguments, message", [
     (["--num-instances", "2", "--num-replicas", "3", "x.py"],
      r"--num-replicas \(3\) must be a multiple of --num-instances \(2\)"),
+    (["--num-instances", "4", "--num-replicas", "2", "--ipus-per-replica",
+      "3", "x.py"], r"--ipus-per-replica \(3\) must split evenly"),
     (["--num-instances", "2", "--num-replicas", "2"], "no program given"),
     (["--num-instances", "3", "--num-replicas", "3", "--num-hosts", "2",
       "x.py"], r"--num-instances \(3\) must be a multiple of --num-hosts"),

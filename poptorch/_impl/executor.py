@@ -212,7 +212,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         staged_execution.check_supported(
             layout, self._options.Distributed.numProcesses,
             bool(self._session.anchors), bool(analysis.written_inputs),
-            len({p.stage_id for p in plan.placements.values()}))
+            len({p.stage_id for p in plan.placements.values()}),
+            self._training)
         graph = stages.trace_forward(model_call, analysis, state.params,
                                      state.buffers[0], micro, self._training,
                                      self._training_flags)
@@ -275,11 +276,13 @@ class PoplarExecutor(CompiledExecutionMethods):
                    "buffers": state.buffers[0], "state": state.optimizer,
                    "hyper": self._hyper, "inputs": micro}
         self._training_layout = training
-        if self._staged is not None:
-            self._staged.prepare_training(training, settings, example)
-            return
         processes = distributed.start_training(
             self._options, state, micro, bool(self._replicas.grouped))
+        if self._staged is not None:
+            self._staged.prepare_training(
+                training, settings, example, layout.gradient_accumulation,
+                processes.pipelines(self._staged.stage_count))
+            return
         accumulate = settings.gradients.accumulates
         graphs = {"update": self._replicas.trace_training(
             model_call, training, settings, example, state.buffers, inputs,

@@ -5,7 +5,10 @@ Every stage is a ``PipelineStage``. In one process all the stages are local
 to it and ``ScheduleInterleaved1F1B`` (which holds several stages per
 process) orders their work: forwards of the first micro-batches fill the
 pipeline, then each stage alternates one forward and one backward, and the
-last backwards drain it. The G micro-batches of one optimizer step form one
+last backwards drain it. With one stage per process
+(``distributed/pipeline_processes.py``), ``Schedule1F1B`` runs that order
+with the stages working concurrently and passing activations and gradients
+point to point. The G micro-batches of one optimizer step form one
 schedule step; an inference call's D micro-batches form one forward-only
 step.
 
@@ -19,9 +22,10 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (PipelineStage,
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                           ScheduleInterleaved1F1B)
 
+from .distributed.pipeline_processes import PipelineProcesses
 from .logger import info_once
 from .stages import StageModule, input_name
 
@@ -36,20 +40,31 @@ def _single_process_group() -> None:
 
 
 class PipelineSchedule:
-    """The stages of one process and the schedule that runs them."""
+    """The stages of this process and the schedule that runs them: all the
+    stages (``ScheduleInterleaved1F1B``), or with ``processes`` the one
+    stage of this process in its pipeline (``Schedule1F1B``)."""
 
     def __init__(self, modules: List[StageModule], device: torch.device,
-                 micro_batches: int, training: bool) -> None:
-        _single_process_group()
+                 micro_batches: int, training: bool,
+                 processes: Optional[PipelineProcesses] = None) -> None:
         self._scale_loss: Optional[Callable] = None
+        loss = self._loss if training else None
+        if processes is not None:
+            module = modules[processes.stage]
+            module.skip_effects_once = True
+            stage = PipelineStage(module, processes.stage, len(modules),
+                                  device, group=processes.group)
+            self._schedule = Schedule1F1B(stage, micro_batches, loss_fn=loss,
+                                          scale_grads=False)
+            return
+        _single_process_group()
         stages = []
         for module in modules:
             module.skip_effects_once = True
             stages.append(PipelineStage(module, module.index, len(modules),
                                         device))
         self._schedule = ScheduleInterleaved1F1B(
-            stages, micro_batches,
-            loss_fn=self._loss if training else None, scale_grads=False)
+            stages, micro_batches, loss_fn=loss, scale_grads=False)
 
     def _loss(self, output, target) -> torch.Tensor:
         return self._scale_loss(output[-1])

@@ -22,9 +22,11 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..enums import ReductionType
 from ..errors import Error
 from .batching import BatchLayout, micro_batch
 from .device_loop import TrainingState
+from .distributed.pipeline_processes import PipelineProcesses
 from .logger import info_once
 from .outputs import OutputCollector
 from .pipeline import PipelineSchedule
@@ -39,14 +41,19 @@ def _what(stages: int) -> str:
 
 
 def check_supported(layout: BatchLayout, processes: int, anchors: bool,
-                    written_inputs: bool, stages: int) -> None:
+                    written_inputs: bool, stages: int,
+                    training: bool) -> None:
     """Raise ``poptorch.Error`` for what several stages cannot run yet."""
     what = _what(stages)
-    if layout.replicas > 1 or processes > 1:
-        raise Error(f"{what} replicationFactor is {layout.replicas} with "
-                    f"{processes} process(es): replicating a multi-stage "
-                    "model is not available yet; use replicationFactor(1) "
-                    "in one process, or place all blocks in one stage.")
+    if layout.replicas > 1:
+        raise Error(f"{what} replicationFactor is {layout.replicas}: "
+                    "replicating a multi-stage model inside a process is not "
+                    "available yet; use replicationFactor(1), and K x R "
+                    "processes for R pipelines of K stages.")
+    if training and processes > 1 and processes % stages:
+        raise Error(f"{what} the run has {processes} processes: a "
+                    "multi-stage model places one stage per process, so the "
+                    f"number of processes must be a multiple of {stages}.")
     if anchors:
         raise Error(f"{what} tensors are anchored: anchorTensor is not "
                     "available for multi-stage models yet.")
@@ -57,8 +64,8 @@ def check_supported(layout: BatchLayout, processes: int, anchors: bool,
 
 
 def _check_training(settings: StepSettings, params: List[torch.Tensor],
-                    stages: int) -> None:
-    what = _what(stages)
+                    staged: StagedGraph, processes: bool) -> None:
+    what = _what(len(staged.stages))
     gradients = settings.gradients
     if gradients.accum_dtype is not None and any(
             p.dtype != gradients.accum_dtype for p in params):
@@ -70,6 +77,20 @@ def _check_training(settings: StepSettings, params: List[torch.Tensor],
         raise Error(f"{what} the gradient reduction is MeanReductionStrategy."
                     "Running: multi-stage models sum gradients over the "
                     "step's micro-batches; use MeanReductionStrategy.Post.")
+    if not processes:
+        return
+    attributes = settings.attributes
+    if attributes.automatic is not None or attributes.max_grad_norm \
+            is not None or "max_grad_norm" in attributes.variable:
+        raise Error(f"{what} its stages run in separate processes: automatic "
+                    "loss scaling and max_grad_norm need the gradients of "
+                    "every stage at once, which is not available yet.")
+    shared = [i for i, owners in enumerate(staged.param_owners())
+              if len(owners) > 1]
+    if shared:
+        raise Error(f"{what} its stages run in separate processes: "
+                    f"parameter(s) {shared} are used by several stages; "
+                    "place the blocks that share a weight in one stage.")
 
 
 class StagedExecution:
@@ -78,25 +99,29 @@ class StagedExecution:
     def __init__(self, staged: StagedGraph, strategy, params, trainable,
                  buffers, device: torch.device, training: bool,
                  layout: BatchLayout) -> None:
+        self._staged = staged
+        self._strategy = strategy
+        self._device = device
         self._view = StageState(params, trainable, buffers)
         self._modules = [StageModule(staged, index, self._view, training)
                          for index in range(len(staged.stages))]
         self._last = self._modules[-1]
-        micro_batches = (layout.gradient_accumulation if training
-                         else layout.device_iterations)
-        if isinstance(strategy, PipelinedExecution) and training:
-            self._schedule = PipelineSchedule(self._modules, device,
-                                              micro_batches, training)
-        else:
-            liveness = (strategy.liveness
-                        if isinstance(strategy, _PhasedExecution) else None)
-            self._schedule = SequentialSchedule(self._modules, device,
-                                                liveness)
+        self._schedule = self._sequential_schedule()
         info_once(f"{type(strategy).__name__}: the model runs as "
                   f"{len(self._modules)} stage partitions on {device}")
         self._update: Optional[Callable] = None
         self._training_layout: Optional[TrainingLayout] = None
         self._settings: Optional[StepSettings] = None
+        self._processes: Optional[PipelineProcesses] = None
+
+    def _sequential_schedule(self) -> SequentialSchedule:
+        liveness = (self._strategy.liveness
+                    if isinstance(self._strategy, _PhasedExecution) else None)
+        return SequentialSchedule(self._modules, self._device, liveness)
+
+    @property
+    def stage_count(self) -> int:
+        return len(self._modules)
 
     def graphs(self) -> List[torch.fx.GraphModule]:
         """The stages' forward graphs, in order."""
@@ -104,15 +129,30 @@ class StagedExecution:
 
     def prepare_training(self, layout: TrainingLayout,
                          settings: StepSettings,
-                         example: Dict[str, List[torch.Tensor]]) -> None:
-        """Check the step's settings and capture the optimizer step."""
-        _check_training(settings, example["trainable"], len(self._modules))
+                         example: Dict[str, List[torch.Tensor]],
+                         accumulation: int,
+                         processes: Optional[PipelineProcesses]) -> None:
+        """Check the step's settings, capture the optimizer step and set up
+        the schedule: with ``processes``, this process runs one stage of a
+        pipeline."""
+        _check_training(settings, example["trainable"], self._staged,
+                        processes is not None)
         self._update = trace_update_step(layout, settings, example)
         self._training_layout = layout
         self._settings = settings
+        self._processes = processes
+        if processes is not None or \
+                isinstance(self._strategy, PipelinedExecution):
+            self._schedule = PipelineSchedule(self._modules, self._device,
+                                              accumulation, True, processes)
 
-    def _collect(self, collector: OutputCollector, first: int) -> None:
-        for offset, outputs in enumerate(self._last.recorded):
+    def _collect(self, collector: OutputCollector, first: int,
+                 count: int) -> None:
+        recorded = self._last.recorded
+        if self._processes is not None:
+            recorded = self._processes.share_outputs(
+                recorded, self._staged.output_metas, count, self._device)
+        for offset, outputs in enumerate(recorded):
             collector.add(first + offset, 0, outputs)
         self._last.recorded.clear()
 
@@ -125,13 +165,15 @@ class StagedExecution:
         count = layout.device_iterations
         self._schedule.run(_stacked(inputs, [(d, 0) for d in range(count)]),
                            count)
-        self._collect(collector, 0)
+        self._collect(collector, 0, count)
 
     def run_training(self, state: TrainingState, inputs: List[torch.Tensor],
                      layout: BatchLayout, collector: OutputCollector) -> None:
         """One training call: D optimizer steps of G micro-batches each."""
         training = self._training_layout
         accumulation = layout.gradient_accumulation
+        if self._processes is not None:
+            self._processes.check_same_inputs(inputs)
         for iteration in range(layout.device_iterations):
             self._view.rebind(_merged(training, state), state.buffer_sets[0])
             scaling = self._settings.attributes.bind(
@@ -145,12 +187,52 @@ class StagedExecution:
                     accumulation,
                     lambda loss: scaling.scale_loss(loss, factor))
             grads = self._view.gradients(training.trainable)
+            self._reduce_over_pipelines(grads)
             result = self._update(*state.trainable, *grads, *state.optimizer,
                                   *state.hyper)
             state.trainable = list(result[:len(state.trainable)])
             state.optimizer = list(result[len(state.trainable):])
-            self._collect(collector, iteration * accumulation)
+            self._collect(collector, iteration * accumulation, accumulation)
+        if self._processes is not None:
+            self._processes.broadcast_from_owners(self._owned(state))
         self._view.rebind(_merged(training, state), state.buffer_sets[0])
+
+    def _reduce_over_pipelines(self, grads: List[torch.Tensor]) -> None:
+        if self._processes is None:
+            return
+        owners = self._staged.param_owners()
+        mine = [grad for index, grad in zip(self._training_layout.trainable,
+                                            grads)
+                if self._processes.stage in owners[index]]
+        self._processes.reduce_gradients_(
+            mine, self._settings.reduction == ReductionType.Mean)
+
+    def _owned(self, state: TrainingState) -> List[List[torch.Tensor]]:
+        """Per stage, the trained weights, optimizer state and written
+        buffers it owns."""
+        training = self._training_layout
+        owners = self._staged.param_owners()
+        state_of = _state_positions(training)
+        owned: List[List[torch.Tensor]] = [[] for _ in self._modules]
+        for position, index in enumerate(training.trainable):
+            stage = owners[index][0]
+            owned[stage].append(state.trainable[position])
+            owned[stage].extend(state.optimizer[i] for i in state_of[position])
+        for stage, written in enumerate(self._staged.buffer_writers()):
+            owned[stage].extend(state.buffer_sets[0][i] for i in written)
+        return owned
+
+
+def _state_positions(training: TrainingLayout) -> Dict[int, List[int]]:
+    """The flat optimizer state indices of each trainable position."""
+    positions: Dict[int, List[int]] = {}
+    index = 0
+    for group in training.groups:
+        for _ in group.rule.state_names:
+            for position in group.positions:
+                positions.setdefault(position, []).append(index)
+                index += 1
+    return positions
 
 
 def _merged(training: TrainingLayout,

@@ -21,7 +21,7 @@ are kept for the backward pass, and the rest of the stage's activations are
 recomputed, a segment at a time, when the backward pass reaches them.
 """
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -42,6 +42,23 @@ class StagedGraph:
     written_buffers: List[int]          # buffer indices, as in the outputs
     num_outputs: int                    # model output tensors
     has_loss: bool
+    output_metas: List[Tuple[torch.Size, torch.dtype]]  # model outputs
+
+    def param_owners(self) -> List[List[int]]:
+        """The stages that read each parameter."""
+        owners: List[List[int]] = [[] for _ in range(self.num_params)]
+        for index, stage in enumerate(self.stages):
+            for source in stage.sources:
+                if source < self.num_params:
+                    owners[source].append(index)
+        return owners
+
+    def buffer_writers(self) -> List[List[int]]:
+        """The buffers each stage writes."""
+        return [[self.written_buffers[position]
+                 for position in stage.own_outputs
+                 if position < len(self.written_buffers)]
+                for stage in self.stages]
 
 
 def trace_forward(call: ModelCall, analysis: ModelAnalysis,
@@ -99,7 +116,9 @@ def cut_into_stages(graph: fx.GraphModule,
         num_params=num_params, num_buffers=num_buffers,
         written_buffers=list(analysis.written_buffers),
         num_outputs=len(outputs) - written - int(training),
-        has_loss=training)
+        has_loss=training,
+        output_metas=[(o.meta["val"].shape, o.meta["val"].dtype)
+                      for o in outputs[written:len(outputs) - int(training)]])
 
 
 def _is_checkpoint(node: fx.Node) -> bool:

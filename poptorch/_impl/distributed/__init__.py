@@ -27,6 +27,7 @@ from ...errors import Error
 from . import consistency, process_group
 from .environment import ProcessEnvironment
 from .gradients import gradient_reducer
+from .pipeline_processes import PipelineProcesses
 
 _compilations = itertools.count()
 
@@ -56,6 +57,13 @@ class TrainingProcesses:
         if self.group is None:
             return None
         return gradient_reducer(average=reduction == ReductionType.Mean)
+
+    def pipelines(self, stages: int) -> Optional[PipelineProcesses]:
+        """For a model of ``stages`` stages, this process's place in the
+        pipelines of one stage per process (None: one process)."""
+        if self.group is None:
+            return None
+        return PipelineProcesses(self.group.rank, self.group.size, stages)
 
 
 def start_training(options, state, micro: List[torch.Tensor],

@@ -1,0 +1,102 @@
+"""A model of two pipeline stages trained by several processes (one stage
+per process) for the multi-process pipeline tests.
+
+    pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
+        [--different-inputs]
+
+Every process trains ``Chain`` (K blocks, one per IPU) with
+``PipelinedExecution`` for N calls of D = 2 iterations of G = 2K - 1
+micro-batches, and saves its returned outputs and losses, its final weights
+and its optimizer state to ``OUTPUT_DIR/process<i>.pt``. The processes of
+pipeline p (process id // K) get the data ``data(K, N, p)``; with
+``--different-inputs``, process 1 gets pipeline 1's instead. The processes
+start from different weights (seed 1 + process id), so equal results show
+that they share process 0's.
+"""
+import argparse
+import os
+
+import torch
+
+import poptorch
+
+BATCH = 2
+ITERATIONS = 2
+
+
+class Chain(torch.nn.Module):
+    """K blocks of Linear + tanh; the last block also computes the loss."""
+
+    def __init__(self, stages: int, annotate: bool = True):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Linear(4, 4) for _ in range(stages)])
+        self.annotate = annotate
+
+    def forward(self, x, y):
+        for index, layer in enumerate(self.layers):
+            if self.annotate:
+                with poptorch.Block(f"block{index}", ipu_id=index):
+                    x = torch.tanh(layer(x))
+            else:
+                x = torch.tanh(layer(x))
+        return x, torch.nn.functional.cross_entropy(x, y)
+
+
+def accumulation(stages: int) -> int:
+    return 2 * stages - 1
+
+
+def data(stages: int, calls: int, pipeline: int = 0):
+    """The inputs and labels of each call of pipeline ``pipeline``."""
+    generator = torch.Generator().manual_seed(pipeline)
+    rows = ITERATIONS * accumulation(stages) * BATCH
+    return [(torch.randn(rows, 4, generator=generator),
+             torch.randint(0, 4, (rows,), generator=generator))
+            for _ in range(calls)]
+
+
+def optimizer(net: torch.nn.Module, poptorch_optimizer: bool = True
+              ) -> torch.optim.Optimizer:
+    """SGD with momentum (poptorch's reads the device state)."""
+    kind = poptorch.optim.SGD if poptorch_optimizer else torch.optim.SGD
+    return kind(net.parameters(), lr=0.1, momentum=0.9)
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A returned training output as a plain tensor (to save it)."""
+    return tensor.as_subclass(torch.Tensor)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2)
+    parser.add_argument("--different-inputs", action="store_true")
+    arguments = parser.parse_args()
+    process = int(os.environ["RANK"])
+    pipeline = process // arguments.stages
+    if arguments.different_inputs and process == 1:
+        pipeline = 1
+    torch.manual_seed(1 + process)
+    net = Chain(arguments.stages)
+    options = poptorch.Options().deviceIterations(ITERATIONS)
+    options.autoRoundNumIPUs(True)
+    options.Training.gradientAccumulation(accumulation(arguments.stages))
+    options.outputMode(poptorch.OutputMode.All)
+    sgd = optimizer(net)
+    model = poptorch.trainingModel(net, options, sgd)
+    results = [model(x, y) for x, y in data(arguments.stages,
+                                            arguments.calls, pipeline)]
+    model.copyWeightsToHost()
+    torch.save({"outputs": [plain(r[0]) for r in results],
+                "losses": [plain(r[1]) for r in results],
+                "weights": net.state_dict(),
+                "momentum": [state["momentum_buffer"] for _, state in
+                             sorted(sgd.state_dict()["state"].items())]},
+               os.path.join(arguments.output, f"process{process}.pt"))
+
+
+if __name__ == "__main__":
+    main()
