@@ -64,7 +64,15 @@ on 2 CPU cores). Prints markdown tables.
 import argparse
 import collections
 import copy
+import json
+import os
 import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -75,17 +83,16 @@ import poptorch
 
 
 class MLP(torch.nn.Module):
-    """K blocks of two Linear + ReLU of width W, then a classifier. With
-    ``annotate``, block i is ``poptorch.Block("block{i}", ipu_id=i)``."""
+    """K blocks of ``layers`` Linear + ReLU of width W, then a classifier.
+    With ``annotate``, block i is ``poptorch.Block("block{i}", ipu_id=i)``."""
 
-    def __init__(self, width: int, blocks: int):
+    def __init__(self, width: int, blocks: int, layers: int = 2):
         super().__init__()
         self.annotate = False
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(width, width),
-                                torch.nn.ReLU(),
-                                torch.nn.Linear(width, width),
-                                torch.nn.ReLU())
+            torch.nn.Sequential(*[module for _ in range(layers)
+                                  for module in (torch.nn.Linear(width, width),
+                                                 torch.nn.ReLU())])
             for _ in range(blocks))
         self.head = torch.nn.Linear(width, 10)
 
@@ -389,6 +396,240 @@ def memory_tables(arguments) -> None:
               " |")
 
 
+# --- two processes -------------------------------------------------------
+
+def _pipeline_arguments(arguments) -> argparse.Namespace:
+    """The section's sizes under the names ``_options``, ``_data`` and
+    ``poptorch_pass`` read."""
+    return argparse.Namespace(iterations=arguments.pipeline_iterations,
+                              accumulation=arguments.pipeline_accumulation,
+                              micro_batch=arguments.pipeline_micro_batch)
+
+
+def _pipeline_model(arguments) -> MLP:
+    torch.manual_seed(0)
+    return MLP(arguments.pipeline_width, 2, arguments.pipeline_layers)
+
+
+class StageClock:
+    """Times this process's stage of a pipelined training model, per call:
+    the schedule steps (``model._staged._schedule.run``, one per optimizer
+    step) and, inside them, the stage's forward passes (forward pre- and
+    post-hooks on its ``StageModule``) and backward passes (from the
+    module's full backward pre-hook, when the gradient of its outputs
+    arrives, to the return of the ``PipelineStage``'s
+    ``backward_one_chunk``, when autograd has finished the micro-batch's
+    backward pass, parameter gradients included)."""
+
+    def __init__(self, model) -> None:
+        staged = model._staged
+        self.stage = staged._processes.stage
+        module = staged._modules[self.stage]
+        schedule = staged._schedule
+        stage = schedule._schedule._stage
+        self.window = self.forward = self.backward = 0.0
+        self.forwards = self.backwards = 0
+        self._forward_from = 0.0
+        self._backward_from: Optional[float] = None
+        module.register_forward_pre_hook(self._forward_starts)
+        module.register_forward_hook(self._forward_ends)
+        module.register_full_backward_pre_hook(self._backward_starts)
+        schedule.run = self._timed(schedule.run, "window")
+        stage.backward_one_chunk = self._timed_backward(
+            stage.backward_one_chunk)
+
+    def reset(self) -> None:
+        self.window = self.forward = self.backward = 0.0
+        self.forwards = self.backwards = 0
+
+    def _forward_starts(self, *_) -> None:
+        self._forward_from = time.perf_counter()
+
+    def _forward_ends(self, *_) -> None:
+        self.forward += time.perf_counter() - self._forward_from
+        self.forwards += 1
+
+    def _backward_starts(self, *_) -> None:
+        self._backward_from = time.perf_counter()
+
+    def _timed(self, function: Callable, total: str) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                setattr(self, total, getattr(self, total) +
+                        time.perf_counter() - start)
+        return timed
+
+    def _timed_backward(self, function: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self._backward_from = None
+            called = time.perf_counter()
+            result = function(*args, **kwargs)
+            start = (called if self._backward_from is None
+                     else self._backward_from)
+            self.backward += time.perf_counter() - start
+            self.backwards += 1
+            return result
+        return timed
+
+
+def pipeline_worker(arguments) -> None:
+    """One process of the 2-process pipeline (``--worker DIR``): trains the
+    annotated MLP for a few warm-up calls, then times
+    ``--pipeline-calls`` calls and writes its times to
+    ``DIR/process<rank>.json``."""
+    torch.set_num_threads(1)
+    step = _pipeline_arguments(arguments)
+    model = _pipeline_model(arguments)
+    model.annotate = True
+    training = poptorch.trainingModel(
+        model, _options(step, poptorch.PipelinedExecution("block0", "block1")),
+        _optimizer(model))
+    x, y = _data(step, arguments.pipeline_width)
+    for _ in range(2):
+        training(x, y)
+    clock = StageClock(training)
+    per_call = collections.defaultdict(list)
+    for _ in range(arguments.pipeline_calls):
+        clock.reset()
+        start = time.perf_counter()
+        training(x, y)
+        per_call["call"].append(time.perf_counter() - start)
+        for name in ("window", "forward", "backward", "forwards",
+                     "backwards"):
+            per_call[name].append(getattr(clock, name))
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(arguments.worker, f"process{rank}.json"),
+              "w", encoding="utf-8") as output:
+        json.dump({"stage": clock.stage, **per_call}, output)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_pipeline_workers(arguments) -> List[Dict[str, list]]:
+    """Start the two worker processes with torchrun's variables (one torch
+    thread each); their timings, by rank."""
+    with tempfile.TemporaryDirectory() as directory:
+        command = [sys.executable, os.path.abspath(__file__),
+                   "--worker", directory]
+        for flag in ("width", "layers", "micro_batch", "accumulation",
+                     "iterations", "calls"):
+            command += [f"--pipeline-{flag.replace('_', '-')}",
+                        str(getattr(arguments, f"pipeline_{flag}"))]
+        port = str(_free_port())
+        started = []
+        for rank in range(2):
+            environment = dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                               OMP_NUM_THREADS="1",
+                               POPTORCH_DISTRIBUTED_TIMEOUT="120")
+            started.append(subprocess.Popen(
+                command, env=environment, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True))
+        for rank, process in enumerate(started):
+            _, err = process.communicate(timeout=600)
+            if process.returncode:
+                raise RuntimeError(f"pipeline worker {rank} failed "
+                                   f"({process.returncode}):\n{err}")
+        results = []
+        for rank in range(2):
+            with open(os.path.join(directory, f"process{rank}.json"),
+                      encoding="utf-8") as saved:
+                results.append(json.load(saved))
+    return results
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f}"
+
+
+def processes_table(arguments) -> None:
+    step = _pipeline_arguments(arguments)
+    width, layers = arguments.pipeline_width, arguments.pipeline_layers
+    accumulation = step.accumulation
+    rows = step.iterations * accumulation * step.micro_batch
+    print(f"\n### 2-stage pipeline on 2 CPU processes vs the same model in "
+          f"one process: MLP of 2 blocks of {layers} x (Linear({width}, "
+          f"{width}) + ReLU), S = {step.micro_batch}, G = {accumulation}, "
+          f"D = {step.iterations} ({rows} samples per call), one torch "
+          f"thread per process, {arguments.pipeline_rounds} rounds\n")
+    base = _pipeline_model(arguments)
+    x, y = _data(step, width)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    passes = [poptorch_pass(copy.deepcopy(base), x, y, step),
+              poptorch_pass(copy.deepcopy(base), x, y, step,
+                            poptorch.PipelinedExecution("block0", "block1"))]
+    per_round: List[List[float]] = [[], [], []]
+    workers = []
+    for _ in range(arguments.pipeline_rounds):
+        for record, seconds in zip(per_round, interleaved_medians(
+                passes, arguments.repeats)):
+            record.append(seconds)
+        results = run_pipeline_workers(arguments)
+        workers.append(results)
+        # The call ends in collectives over both processes: the slower
+        # process's median is the pipeline's time per call.
+        per_round[2].append(max(statistics.median(r["call"])
+                                for r in results))
+    torch.set_num_threads(threads)
+    names = ["(a) one process, trainingModel, unannotated (one graph)",
+             "(b) one process, 2 stages one after the other "
+             "(PipelinedExecution)",
+             "(c) 2 processes, one stage each (PipelinedExecution)"]
+    seconds = [statistics.median(record) for record in per_round]
+    print("| run | samples/s | per round | (c) / this |")
+    print("|---|---|---|---|")
+    for name, per_call, record in zip(names, seconds, per_round):
+        rounds = ", ".join(f"{rows / s:,.0f}" for s in record)
+        print(f"| {name} | {rows / per_call:,.0f} | {rounds} | "
+              f"{per_call / seconds[2]:.2f} |")
+    bubble = 1 / (accumulation + 1)
+    print(f"\n(c) / (a) = {seconds[0] / seconds[2]:.2f}, (c) / (b) = "
+          f"{seconds[1] / seconds[2]:.2f}.")
+    print(f"\n#### Where the time of (c) goes, per process and call (median "
+          f"of {arguments.pipeline_calls} calls per round, of the rounds), "
+          "ms\n")
+    print("| process (stage) | call | schedule steps | forward | backward | "
+          "idle in the schedule steps | outside the schedule steps |")
+    print("|---|---|---|---|---|---|---|")
+    for rank in range(2):
+        runs = [results[rank] for results in workers]
+        expected = step.iterations * accumulation
+        for run in runs:
+            if set(run["forwards"] + run["backwards"]) != {expected}:
+                print(f"(warning: process {rank} timed "
+                      f"{run['forwards']} forward and {run['backwards']} "
+                      f"backward passes per call, not {expected})")
+
+        def median(values: Callable[[Dict[str, list]], List[float]]
+                   ) -> float:
+            return statistics.median(statistics.median(values(run))
+                                     for run in runs)
+
+        idle = median(lambda run: [1 - (f + b) / w for f, b, w in zip(
+            run["forward"], run["backward"], run["window"])])
+        print(f"| {rank} ({runs[0]['stage']}) | "
+              f"{_ms(median(lambda run: run['call']))} | "
+              f"{_ms(median(lambda run: run['window']))} | "
+              f"{_ms(median(lambda run: run['forward']))} | "
+              f"{_ms(median(lambda run: run['backward']))} | {idle:.1%} | "
+              f"{_ms(median(lambda run: [c - w for c, w in zip(run['call'], run['window'])]))} |")
+    print(f"\nTheoretical 1F1B bubble for K = 2 stages and M = G = "
+          f"{accumulation} micro-batches, (K - 1) / (M + K - 1) = "
+          f"{bubble:.1%}. The measured idle time also includes the "
+          "point-to-point transfers and the imbalance between the stages; "
+          "the optimizer step, the sharing of outputs, weights and "
+          "optimizer state and the input check are outside the schedule "
+          "steps.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=4,
@@ -405,9 +646,33 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (0: torch's default); one by "
                         "default, steadier on a shared machine")
+    parser.add_argument("--pipeline-width", type=int, default=1024,
+                        help="2-process pipeline: width of the MLP")
+    parser.add_argument("--pipeline-layers", type=int, default=3,
+                        help="2-process pipeline: Linear + ReLU per block")
+    parser.add_argument("--pipeline-micro-batch", type=int, default=32)
+    parser.add_argument("--pipeline-accumulation", type=int, default=8,
+                        help="2-process pipeline: G, at least 3")
+    parser.add_argument("--pipeline-iterations", type=int, default=2,
+                        help="2-process pipeline: D")
+    parser.add_argument("--pipeline-calls", type=int, default=9,
+                        help="2-process pipeline: timed calls per worker "
+                        "run")
+    parser.add_argument("--pipeline-rounds", type=int, default=2,
+                        help="2-process pipeline: rounds of the one-process "
+                        "runs (--repeats calls each) then a worker run")
+    parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-processes", action="store_true",
+                        help="skip the 2-process pipeline")
     arguments = parser.parse_args()
+    if arguments.worker is not None:
+        pipeline_worker(arguments)
+        return
+    if arguments.pipeline_accumulation < 3:
+        parser.error("--pipeline-accumulation must be at least 3 for a "
+                     "pipeline of 2 stages")
     if arguments.accumulation < 2 * arguments.blocks - 1:
         parser.error("--accumulation must be at least 2 * blocks - 1 for "
                      "the pipeline")
@@ -419,6 +684,8 @@ def main() -> None:
         throughput_table(arguments)
     if not arguments.skip_memory:
         memory_tables(arguments)
+    if not arguments.skip_processes:
+        processes_table(arguments)
 
 
 if __name__ == "__main__":

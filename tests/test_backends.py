@@ -76,7 +76,7 @@ def test_writes_to_inputs_reach_the_caller(backend):
 
 @pytest.mark.slow
 def test_inductor_training_matches_plain_pytorch():
-    model = _train_against_reference("inductor", accumulation=1)
+    model = _train_against_reference("inductor", accumulation=2)
     step = model._session.steps["update"]
     assert type(step).__name__ == "InductorStep"
 

@@ -70,7 +70,7 @@ def run_training(steps: TrainingSteps, state: TrainingState,
     written = len(steps.written_buffers)
     trained = len(state.trainable)
     for iteration in range(layout.device_iterations):
-        running = steps.zeros
+        running = [zeros.clone() for zeros in steps.zeros]
         for step in range(accumulation):
             for replica in range(replicas):
                 buffers = state.buffer_sets[replica % len(state.buffer_sets)]

@@ -12,11 +12,16 @@ single-graph path (``training_step.trace_update_step``), so optimizers,
 loss scaling, clipping and the Sum/Mean reductions mean the same here. The
 results equal those of the unannotated model within float tolerance.
 
+In an n-process run, a training model runs one stage per process
+(``distributed/pipeline_processes.py``).
+
 Not available yet with several stages (each raises ``poptorch.Error`` at
-compilation): replication and multi-process runs, anchored tensors, models
-writing to their input tensors, a float16 ``accum_type`` or the ``Running``
-mean reduction. The stage graphs run as captured graphs under autograd, with
-every backend.
+compilation): replication inside a process, anchored tensors, models
+writing to their input tensors, an ``accum_type`` other than the
+parameters' dtype or the ``Running`` mean reduction; across processes,
+automatic loss scaling, ``max_grad_norm`` and weights shared between
+stages. The stage graphs run as captured graphs under autograd, with every
+backend.
 """
 from typing import Callable, Dict, List, Optional
 

@@ -108,11 +108,14 @@ class GradientReduction:
         return zeros
 
     def add(self, running: List[Tensor], grads: List[Tensor]) -> List[Tensor]:
-        """The buffer after one more micro-batch's ``grads`` (pure)."""
+        """The buffer after one more micro-batch's ``grads``. A sum is added
+        in place (the device loop gives each optimizer step a fresh buffer),
+        as torch accumulates ``.grad``; a running mean is computed anew."""
         buffers = running[:len(grads)]
         grads = cast(grads, [b.dtype for b in buffers])
         if not self.keeps_running_mean:
-            return list(torch._foreach_add(buffers, grads))
+            torch._foreach_add_(buffers, grads)
+            return buffers
         count = running[-1] + 1
         differences = torch._foreach_sub(grads, buffers)
         steps = torch._foreach_div(differences, in_dtype_of(differences, count))
