@@ -25,12 +25,15 @@ ITERATIONS = 2
 
 
 class Chain(torch.nn.Module):
-    """K blocks of Linear + tanh; the last block also computes the loss."""
+    """K blocks of Linear + BatchNorm + tanh; the last block also computes
+    the loss."""
 
     def __init__(self, stages: int, annotate: bool = True):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [torch.nn.Linear(4, 4) for _ in range(stages)])
+            [torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                 torch.nn.BatchNorm1d(4))
+             for _ in range(stages)])
         self.annotate = annotate
 
     def forward(self, x, y):
@@ -83,6 +86,8 @@ def main() -> None:
     net = Chain(arguments.stages)
     options = poptorch.Options().deviceIterations(ITERATIONS)
     options.autoRoundNumIPUs(True)
+    if int(os.environ["WORLD_SIZE"]) > arguments.stages:
+        options.broadcastBuffers(False)   # each pipeline its own statistics
     options.Training.gradientAccumulation(accumulation(arguments.stages))
     options.outputMode(poptorch.OutputMode.All)
     sgd = optimizer(net)

@@ -15,7 +15,7 @@ import torch
 import pipeline_program as program
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "pipeline_program.py")
-TOLERANCE = dict(atol=1e-6, rtol=1e-5)
+TOLERANCE = dict(atol=1e-5, rtol=1e-4)   # sums over pipelines reorder
 
 
 def _free_port() -> int:
@@ -77,7 +77,13 @@ def _plain_training(stages: int, pipelines: int, calls: int = 2):
 
 
 def _check_processes(output, stages: int, pipelines: int) -> None:
+    """Every process returned its pipeline's outputs and holds the trained
+    weights and optimizer state; with several pipelines, each keeps its own
+    BatchNorm statistics (``broadcastBuffers(False)``), the same in all its
+    processes."""
     weights, momentum, outputs, losses = _plain_training(stages, pipelines)
+    parameters = {name for name, _ in
+                  program.Chain(stages).named_parameters()}
     for process in range(stages * pipelines):
         saved = torch.load(os.path.join(output, f"process{process}.pt"))
         pipeline = process // stages
@@ -88,8 +94,13 @@ def _check_processes(output, stages: int, pipelines: int) -> None:
             torch.testing.assert_close(got.reshape(expected.shape),
                                        expected, **TOLERANCE)
         for name, value in weights.items():
-            torch.testing.assert_close(saved["weights"][name], value,
-                                       **TOLERANCE)
+            if pipelines == 1 or name in parameters:
+                torch.testing.assert_close(saved["weights"][name], value,
+                                           **TOLERANCE)
+        first = torch.load(os.path.join(output, f"process{pipeline * stages}"
+                                                ".pt"))
+        for name, value in first["weights"].items():
+            torch.testing.assert_close(saved["weights"][name], value)
         assert len(saved["momentum"]) == len(momentum)
         for got, expected in zip(saved["momentum"], momentum):
             torch.testing.assert_close(got, expected, **TOLERANCE)

@@ -244,8 +244,11 @@ class PoplarExecutor(CompiledExecutionMethods):
 
     def _compile_training(self, model_call, analysis, state, micro,
                           layout: BatchLayout, inputs) -> None:
-        if analysis.written_buffers and self._buffer_sets() == 1 and \
-                layout.replicas * self._options.Distributed.numProcesses > 1:
+        data_parallel = self._options.Distributed.numProcesses
+        if self._staged is not None:
+            data_parallel //= self._staged.stage_count
+        if analysis.written_buffers and self._options.broadcast_buffers \
+                and layout.replicas * data_parallel > 1:
             raise Error(
                 "The model writes to its buffers during training "
                 f"({', '.join(state.buffer_names[i] for i in analysis.written_buffers)}) "

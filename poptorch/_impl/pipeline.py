@@ -18,6 +18,7 @@ sums the micro-batches' gradients into each parameter's ``.grad`` (no
 scaling); the loss it differentiates is the model's loss scaled for the
 step (loss scaling, reduction).
 """
+import atexit
 from typing import Callable, List, Optional
 
 import torch
@@ -37,6 +38,12 @@ def _single_process_group() -> None:
               "process group; starting a single-process gloo group")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
+    atexit.register(_leave)
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class PipelineSchedule:
