@@ -379,6 +379,43 @@ def test_integer_activations_pass_between_stages(make_strategy):
     train_crossing(Crossing(index=True), make_strategy)
 
 
+@parametrize_strategies(ANY_BLOCKS)
+def test_replicas_of_a_multi_stage_model_train_one_model(make_strategy):
+    """R replicas in one process: the G x R micro-batches of a step sum
+    their gradients (Mean: divided by G x R) into one update, and every
+    micro-batch's outputs come back in [D, G, R] order."""
+    torch.manual_seed(0)
+    net = Crossing()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(2, 5, replicas=2, setExecutionStrategy=make_strategy(),
+                     autoRoundNumIPUs=True,
+                     outputMode=poptorch.OutputMode.All),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    for seed in range(2):
+        x, y = make_data(2 * 5 * 2 * BATCH, seed=seed)
+        out, loss = model(x, y)
+        outputs, losses = plain_training(twin, reference, x, y, 2, 10)
+        close(out.reshape(outputs.shape), outputs)
+        close(loss.reshape(losses.shape), losses)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
+@pytest.mark.parametrize("make_strategy", [poptorch.PipelinedExecution,
+                                           poptorch.ShardedExecution],
+                         ids=["pipelined", "sharded"])
+def test_replicated_inference_of_a_multi_stage_model(make_strategy):
+    torch.manual_seed(0)
+    net = FourBlocks().eval()
+    model = poptorch.inferenceModel(
+        net, options(4, replicas=2, setExecutionStrategy=make_strategy(
+            poptorch.AutoStage.SameAsIpu)))
+    x = torch.randn(4 * 2 * BATCH, 4)
+    close(model(x), net(x))
+
+
 # --- errors ------------------------------------------------------------------
 
 class Backwards(torch.nn.Module):
@@ -427,10 +464,12 @@ ERRORS = {
             poptorch.SerialPhasedExecution(["b"], ["a"]))), _sgd, 3 * BATCH,
         r"stage 0 \(block\(s\) b\) uses a value computed in stage 1 "
         r"\(block\(s\) a\), which runs after it"),
-    "replication": (
-        FourBlocks, lambda: options(1, ACCUMULATION, replicationFactor=2),
+    "replicas-with-own-buffers": (
+        FourBlocks, lambda: options(1, ACCUMULATION, replicas=2,
+                                    broadcastBuffers=False),
         _sgd, 2 * ACCUMULATION * BATCH,
-        "4 stages, and replicationFactor is 2.*not available yet"),
+        "4 stages, and replicationFactor is 2 with broadcastBuffers.False.: "
+        "replicas keeping their own buffers are not available"),
     "running-mean": (
         FourBlocks, _running_mean_options, _sgd, ACCUMULATION * BATCH,
         "4 stages, and the gradient reduction is "

@@ -213,7 +213,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             layout, self._options.Distributed.numProcesses,
             bool(self._session.anchors), bool(analysis.written_inputs),
             len({p.stage_id for p in plan.placements.values()}),
-            self._training)
+            self._training, self._buffer_sets() > 1,
+            bool(self._replicas.grouped))
         graph = stages.trace_forward(model_call, analysis, state.params,
                                      state.buffers[0], micro, self._training,
                                      self._training_flags)
@@ -263,7 +264,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         settings = StepSettings(
             gradients=GradientReduction.build(
                 self._options.Training, layout.gradient_accumulation,
-                self._replicas.step_replicas, self._plan.accum_dtype),
+                (self._replicas.step_replicas if self._staged is None
+                 else layout.replicas), self._plan.accum_dtype),
             attributes=GlobalAttributes.build(
                 self._plan, self._options.Training.auto_loss_scaling))
         self._optimizer_state = OptimizerDeviceState(
@@ -283,7 +285,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._options, state, micro, bool(self._replicas.grouped))
         if self._staged is not None:
             self._staged.prepare_training(
-                training, settings, example, layout.gradient_accumulation,
+                training, settings, example,
+                layout.gradient_accumulation * layout.replicas,
                 processes.pipelines(self._staged.stage_count))
             return
         accumulate = settings.gradients.accumulates
@@ -398,19 +401,29 @@ class PoplarExecutor(CompiledExecutionMethods):
             layout.replicas)
         if timer is not None:
             collector = timer.collector(collector)
+        if self._staged is not None:
+            self._run_stages(split, collector)
+            return collector.result()
         with self._replicas.loop(split, self._state.buffers,
                                  collector) as loop:
-            if self._staged is not None and not self._training:
-                self._staged.run_inference(self._state.params,
-                                           loop.buffer_sets[0], loop.inputs,
-                                           loop.layout, loop.collector)
-            elif self._training:
+            if self._training:
                 self._run_training(loop)
             else:
                 device_loop.run_inference(self._steps, self._state.params,
                                           loop.buffer_sets, loop.inputs,
                                           loop.layout, loop.collector)
         return collector.result()
+
+    def _run_stages(self, split: List[torch.Tensor],
+                    collector: OutputCollector) -> None:
+        """A multi-stage model's call (``staged_execution.py``)."""
+        if not self._training:
+            self._staged.run_inference(self._state.params,
+                                       self._state.buffers[0], split,
+                                       self._layout, collector)
+            return
+        self._run_training(replication.LoopArguments(
+            self._layout, split, self._state.buffers, collector))
 
     def _run_training(self, loop: replication.LoopArguments) -> None:
         state = self._state

@@ -6,7 +6,7 @@ inference stage after stage (``sequential_stages.py``): a forward-only
 pipeline in one process would only reorder independent work.
 
 Training runs, for each of the call's D iterations, the forward and backward
-passes of the G micro-batches (autograd sums their gradients into the
+passes of the G x R micro-batches (autograd sums their gradients into the
 parameters' ``.grad``), then one optimizer step: the same pure update as the
 single-graph path (``training_step.trace_update_step``), so optimizers,
 loss scaling, clipping and the Sum/Mean reductions mean the same here. The
@@ -15,15 +15,19 @@ results equal those of the unannotated model within float tolerance.
 In an n-process run, a training model runs one stage per process
 (``distributed/pipeline_processes.py``).
 
+With R replicas in one process, the G x R micro-batches of a step all go
+through the stages and share one update (replicas hold identical weights).
+
 Not available yet with several stages (each raises ``poptorch.Error`` at
-compilation): replication inside a process, anchored tensors, models
+compilation): replicas keeping their own buffers, grouped weights,
+replication in a multi-process run, anchored tensors, models
 writing to their input tensors, an ``accum_type`` other than the
 parameters' dtype or the ``Running`` mean reduction; across processes,
 automatic loss scaling, ``max_grad_norm`` and weights shared between
 stages. The stage graphs run as captured graphs under autograd, with every
 backend.
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,15 +50,22 @@ def _what(stages: int) -> str:
 
 
 def check_supported(layout: BatchLayout, processes: int, anchors: bool,
-                    written_inputs: bool, stages: int,
-                    training: bool) -> None:
+                    written_inputs: bool, stages: int, training: bool,
+                    per_replica_buffers: bool, grouped: bool) -> None:
     """Raise ``poptorch.Error`` for what several stages cannot run yet."""
     what = _what(stages)
-    if layout.replicas > 1:
-        raise Error(f"{what} replicationFactor is {layout.replicas}: "
-                    "replicating a multi-stage model inside a process is not "
-                    "available yet; use replicationFactor(1), and K x R "
-                    "processes for R pipelines of K stages.")
+    if layout.replicas > 1 and (processes > 1 or per_replica_buffers):
+        raise Error(f"{what} replicationFactor is {layout.replicas} "
+                    + ("in a multi-process run: use replicationFactor(1) and "
+                       "K x R processes for R pipelines of K stages."
+                       if processes > 1 else
+                       "with broadcastBuffers(False): replicas keeping their "
+                       "own buffers are not available for multi-stage models "
+                       "yet."))
+    if grouped:
+        raise Error(f"{what} weights have replica groups (replicaGrouping): "
+                    "grouped weights are not available for multi-stage "
+                    "models yet.")
     if training and processes > 1 and processes % stages:
         raise Error(f"{what} the run has {processes} processes: a "
                     "multi-stage model places one stage per process, so the "
@@ -135,7 +146,7 @@ class StagedExecution:
     def prepare_training(self, layout: TrainingLayout,
                          settings: StepSettings,
                          example: Dict[str, List[torch.Tensor]],
-                         accumulation: int,
+                         micro_batches: int,
                          processes: Optional[PipelineProcesses]) -> None:
         """Check the step's settings, capture the optimizer step and set up
         the schedule: with ``processes``, this process runs one stage of a
@@ -149,34 +160,42 @@ class StagedExecution:
         if processes is not None or \
                 isinstance(self._strategy, PipelinedExecution):
             self._schedule = PipelineSchedule(self._modules, self._device,
-                                              accumulation, True, processes)
+                                              micro_batches, True, processes)
 
-    def _collect(self, collector: OutputCollector, first: int,
-                 count: int) -> None:
+    def _collect(self, collector: OutputCollector,
+                 positions: List[Tuple[int, int, int]],
+                 layout: BatchLayout) -> None:
+        """Hand the outputs of the micro-batches at ``positions``
+        (iteration, step, replica) to the collector."""
         recorded = self._last.recorded
         if self._processes is not None:
             recorded = self._processes.share_outputs(
-                recorded, self._staged.output_metas, count, self._device)
-        for offset, outputs in enumerate(recorded):
-            collector.add(first + offset, 0, outputs)
+                recorded, self._staged.output_metas, len(positions),
+                self._device)
+        for (iteration, step, replica), outputs in zip(positions, recorded):
+            collector.add(iteration * layout.gradient_accumulation + step,
+                          replica, outputs)
         self._last.recorded.clear()
 
     def run_inference(self, params: List[torch.Tensor],
                       buffers: List[torch.Tensor],
                       inputs: List[torch.Tensor], layout: BatchLayout,
                       collector: OutputCollector) -> None:
-        """One inference call: the D micro-batches through the stages."""
+        """One inference call: the D x R micro-batches through the
+        stages."""
         self._view.rebind(params, buffers)
-        count = layout.device_iterations
-        self._schedule.run(_stacked(inputs, [(d, 0) for d in range(count)]),
-                           count)
-        self._collect(collector, 0, count)
+        positions = [(iteration, 0, replica)
+                     for iteration in range(layout.device_iterations)
+                     for replica in range(layout.replicas)]
+        self._schedule.run(_stacked(inputs, positions, layout),
+                           len(positions))
+        self._collect(collector, positions, layout)
 
     def run_training(self, state: TrainingState, inputs: List[torch.Tensor],
                      layout: BatchLayout, collector: OutputCollector) -> None:
-        """One training call: D optimizer steps of G micro-batches each."""
+        """One training call: D optimizer steps of G x R micro-batches
+        each."""
         training = self._training_layout
-        accumulation = layout.gradient_accumulation
         if self._processes is not None:
             self._processes.check_same_inputs(inputs)
         for iteration in range(layout.device_iterations):
@@ -185,11 +204,12 @@ class StagedExecution:
                 state.hyper[training.hyper_size():],
                 state.optimizer[training.state_size():])
             factor = self._settings.gradients.loss_factor()
+            positions = [(iteration, step, replica)
+                         for step in range(layout.gradient_accumulation)
+                         for replica in range(layout.replicas)]
             with torch.enable_grad():
                 self._schedule.run(
-                    _stacked(inputs, [(iteration, g)
-                                      for g in range(accumulation)]),
-                    accumulation,
+                    _stacked(inputs, positions, layout), len(positions),
                     lambda loss: scaling.scale_loss(loss, factor))
             grads = self._view.gradients(training.trainable)
             self._reduce_over_pipelines(grads)
@@ -197,7 +217,7 @@ class StagedExecution:
                                   *state.hyper)
             state.trainable = list(result[:len(state.trainable)])
             state.optimizer = list(result[len(state.trainable):])
-            self._collect(collector, iteration * accumulation, accumulation)
+            self._collect(collector, positions, layout)
         if self._processes is not None:
             self._processes.broadcast_from_owners(self._owned(state))
         self._view.rebind(_merged(training, state), state.buffer_sets[0])
@@ -250,9 +270,11 @@ def _merged(training: TrainingLayout,
     return params
 
 
-def _stacked(inputs: List[torch.Tensor], positions) -> List[torch.Tensor]:
-    """The micro-batches at (iteration, step) ``positions``, stacked along a
-    new first dimension."""
-    micro = [micro_batch(inputs, iteration, step, 0)
-             for iteration, step in positions]
+def _stacked(inputs: List[torch.Tensor],
+             positions: List[Tuple[int, int, int]],
+             layout: BatchLayout) -> List[torch.Tensor]:
+    """The micro-batches at (iteration, step, replica) ``positions``,
+    stacked along a new first dimension."""
+    micro = [micro_batch(inputs, iteration, step, layout.data_index(replica))
+             for iteration, step, replica in positions]
     return [torch.stack([m[i] for m in micro]) for i in range(len(inputs))]
