@@ -46,8 +46,9 @@ class Effect(NamedTuple):
 
 
 _TENSOR_LOCATIONS = Effect(
-    STORED, "takes effect with tensor locations (off-chip storage, "
-    "replicated tensor sharding)")
+    STORED, "takes effect with tensor locations (off-chip storage on GPUs, "
+    "replicated tensor sharding); on a CPU device host and device memory "
+    "are the same, so off-chip storage would change nothing there")
 _IO_TILES = Effect(NO_EFFECT, "IPU I/O tiles do not exist on CPU/GPU")
 _SOURCE_LOCATIONS = Effect(
     IMPLEMENTED, "frames of these files are skipped when capture errors "
