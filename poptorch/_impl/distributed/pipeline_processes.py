@@ -17,7 +17,7 @@ Every process of a pipeline must be called with the same inputs (checked on
 each call): ``poptorch.DataLoader`` splits data by process, so pipelines
 use ``auto_distributed_partitioning=False`` or split the data by pipeline.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,10 +56,8 @@ class PipelineProcesses:
         they all received the same call inputs (compared by sums)."""
         if not inputs:
             return
-        fingerprint = torch.stack(
-            [value for tensor in inputs
-             for value in (tensor.double().sum(), tensor.double().square()
-                           .sum())]).cpu()
+        fingerprint = torch.stack([value for tensor in inputs
+                                   for value in _fingerprint(tensor)]).cpu()
         lowest, highest = fingerprint.clone(), fingerprint.clone()
         dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self.group)
         dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.group)
@@ -90,26 +88,53 @@ class PipelineProcesses:
     def broadcast_from_owners(self, owned: Sequence[Sequence[torch.Tensor]]
                               ) -> None:
         """Give every process of the pipeline the values of ``owned[s]``
-        held by the process of stage s (in place)."""
+        held by the process of stage s (in place; one broadcast per stage
+        and dtype)."""
         for stage, tensors in enumerate(owned):
-            for tensor in tensors:
-                dist.broadcast(tensor, src=self.ranks[stage],
-                               group=self.group)
+            for group in _by_dtype(tensors):
+                flat = torch.cat([t.reshape(-1) for t in group])
+                dist.broadcast(flat, src=self.ranks[stage], group=self.group)
+                _unflatten_into(flat, group)
 
     def share_outputs(self, recorded: Optional[List[List[torch.Tensor]]],
                       metas: Sequence[Tuple[torch.Size, torch.dtype]],
                       count: int, device: torch.device
                       ) -> List[List[torch.Tensor]]:
         """The last stage's outputs of ``count`` micro-batches, in every
-        process of the pipeline."""
-        result = []
-        for index in range(count):
+        process of the pipeline (one broadcast per output)."""
+        stacked = []
+        for position, (shape, dtype) in enumerate(metas):
             if self.is_last:
-                tensors = [t.contiguous() for t in recorded[index]]
+                tensor = torch.stack([outputs[position]
+                                      for outputs in recorded])
             else:
-                tensors = [torch.empty(shape, dtype=dtype, device=device)
-                           for shape, dtype in metas]
-            for tensor in tensors:
-                dist.broadcast(tensor, src=self.ranks[-1], group=self.group)
-            result.append(tensors)
-        return result
+                tensor = torch.empty((count, *shape), dtype=dtype,
+                                     device=device)
+            dist.broadcast(tensor, src=self.ranks[-1], group=self.group)
+            stacked.append(tensor)
+        return [[tensor[index] for tensor in stacked]
+                for index in range(count)]
+
+
+def _fingerprint(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The sum and the 2-norm of ``tensor``, in float64."""
+    if tensor.is_floating_point():
+        norm = torch.linalg.vector_norm(tensor, dtype=torch.float64)
+    else:
+        norm = tensor.double().square().sum().sqrt()
+    return tensor.sum(dtype=torch.float64), norm
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())
+
+
+def _unflatten_into(flat: torch.Tensor,
+                    tensors: Sequence[torch.Tensor]) -> None:
+    start = 0
+    for tensor in tensors:
+        tensor.copy_(flat[start:start + tensor.numel()].view_as(tensor))
+        start += tensor.numel()
