@@ -2,14 +2,16 @@
 per process) for the multi-process pipeline tests.
 
     pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
-        [--different-inputs]
+        [--different-inputs] [--dataloader]
 
 Every process trains ``Chain`` (K blocks, one per IPU) with
 ``PipelinedExecution`` for N calls of D = 2 iterations of G = 2K - 1
 micro-batches, and saves its returned outputs and losses, its final weights
 and its optimizer state to ``OUTPUT_DIR/process<i>.pt``. The processes of
 pipeline p (process id // K) get the data ``data(K, N, p)``; with
-``--different-inputs``, process 1 gets pipeline 1's instead. The processes
+``--different-inputs``, process 1 gets pipeline 1's instead; with
+``--dataloader``, a poptorch.DataLoader over every pipeline's data hands
+each pipeline its part (under poprun). The processes
 start from different weights (seed 1 + process id), so equal results show
 that they share process 0's.
 """
@@ -59,6 +61,16 @@ def data(stages: int, calls: int, pipeline: int = 0):
             for _ in range(calls)]
 
 
+def every_pipelines_data(stages: int, calls: int, pipelines: int
+                         ) -> torch.utils.data.TensorDataset:
+    """The data of every pipeline, one after the other: the part of the
+    dataset that poptorch.DataLoader gives pipeline p is ``data(..., p)``."""
+    parts = [data(stages, calls, p) for p in range(pipelines)]
+    return torch.utils.data.TensorDataset(
+        torch.cat([x for part in parts for x, _ in part]),
+        torch.cat([y for part in parts for _, y in part]))
+
+
 def optimizer(net: torch.nn.Module, poptorch_optimizer: bool = True
               ) -> torch.optim.Optimizer:
     """SGD with momentum (poptorch's reads the device state)."""
@@ -77,6 +89,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--different-inputs", action="store_true")
+    parser.add_argument("--dataloader", action="store_true")
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
     pipeline = process // arguments.stages
@@ -92,8 +105,14 @@ def main() -> None:
     options.outputMode(poptorch.OutputMode.All)
     sgd = optimizer(net)
     model = poptorch.trainingModel(net, options, sgd)
-    results = [model(x, y) for x, y in data(arguments.stages,
-                                            arguments.calls, pipeline)]
+    if arguments.dataloader:
+        calls = poptorch.DataLoader(options, every_pipelines_data(
+            arguments.stages, arguments.calls,
+            int(os.environ["WORLD_SIZE"]) // arguments.stages),
+            batch_size=BATCH)
+    else:
+        calls = data(arguments.stages, arguments.calls, pipeline)
+    results = [model(x, y) for x, y in calls]
     model.copyWeightsToHost()
     torch.save({"outputs": [plain(r[0]) for r in results],
                 "losses": [plain(r[1]) for r in results],

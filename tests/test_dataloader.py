@@ -245,6 +245,17 @@ def test_distributed_processes_get_disjoint_consecutive_parts():
                            [[[16, 17, 18, 19], [20, 21, 22, 23]]]]
 
 
+def test_the_instances_of_one_poprun_replica_read_the_same_part(monkeypatch):
+    """poprun with more instances than replicas runs a pipeline stage per
+    instance: the instances of one replica read the same data."""
+    monkeypatch.setenv("POPDIST_NUM_INSTANCES", "4")
+    monkeypatch.setenv("POPDIST_NUM_TOTAL_REPLICAS", "2")
+    per_process = distributed_batches(SampleDataset(16), 4, batch_size=4)
+    assert per_process[0] == per_process[1] == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert per_process[2] == per_process[3] == [[[8, 9, 10, 11],
+                                                 [12, 13, 14, 15]]]
+
+
 def test_distributed_shuffle_is_a_shared_permutation_that_changes_each_epoch():
     epochs = []
     for _ in range(2):

@@ -149,3 +149,17 @@ def test_poprun_starts_one_process_per_stage(tmp_path):
                               timeout=240, env=environment)
     assert finished.returncode == 0, finished.stderr
     _check_processes(tmp_path, stages=2, pipelines=1)
+
+
+@pytest.mark.slow
+def test_poprun_pipelines_read_their_part_of_a_dataloader(tmp_path):
+    """Two replicas of a 2-stage pipeline over 4 instances: the
+    poptorch.DataLoader gives both processes of a replica its part."""
+    command = [sys.executable, "-m", "poptorch.run", "--num-instances", "4",
+               "--num-replicas", "2", "--ipus-per-replica", "2", PROGRAM,
+               str(tmp_path), "--dataloader"]
+    environment = dict(os.environ, POPTORCH_DISTRIBUTED_TIMEOUT="60")
+    finished = subprocess.run(command, capture_output=True, text=True,
+                              timeout=240, env=environment)
+    assert finished.returncode == 0, finished.stderr
+    _check_processes(tmp_path, stages=2, pipelines=2)

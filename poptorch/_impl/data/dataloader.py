@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ...enums import DataLoaderMode
 from ...errors import Error
+from ..distributed.environment import instances_per_replica
 from ..logger import info_once
 from .async_accessor import AsynchronousDataAccessor
 from .partitioning import DistributedPartitionSampler, ProcessShareIterable
@@ -164,8 +165,13 @@ class _Distribution:
     """This process's place in a distributed run, if partitioning applies."""
 
     def __init__(self, settings: _Settings, auto_partitioning: bool) -> None:
-        self.process_id = settings.process_id
-        self.num_processes = settings.num_processes
+        # Under poprun, the processes of one replica (one pipeline, a stage
+        # each) read the same part of the data.
+        span = instances_per_replica()
+        if settings.num_processes % span:
+            span = 1
+        self.process_id = settings.process_id // span
+        self.num_processes = settings.num_processes // span
         self.seed = settings.random_seed
         self.active = auto_partitioning and self.num_processes > 1
 

@@ -2,7 +2,10 @@
 
 ``poptorch.DataLoader`` gives every process of a distributed run
 (``options.Distributed.numProcesses > 1``) a disjoint part of the dataset, and
-every process takes part in the same number of model calls.
+every process takes part in the same number of model calls. Under ``poprun``
+with more instances than replicas, the consecutive instances of one replica
+(the stages of one pipeline) count as one process here and read the same
+part (``_Distribution`` in ``dataloader.py``).
 
 Map-style datasets (``DistributedPartitionSampler``): each epoch orders the
 whole dataset (the identity order, or with shuffling a permutation drawn from

@@ -92,3 +92,17 @@ def timeout_from_environment() -> float:
         raise Error(f"The environment variable {TIMEOUT_VARIABLE} must hold "
                     f"a number of seconds > 0, got {text!r}")
     return value
+
+
+def instances_per_replica() -> int:
+    """How many consecutive processes each replica spans under ``poprun``
+    (more instances than replicas: one pipeline stage per instance); 1
+    otherwise."""
+    try:
+        instances = int(os.environ.get("POPDIST_NUM_INSTANCES", "1"))
+        replicas = int(os.environ.get("POPDIST_NUM_TOTAL_REPLICAS", "1"))
+    except ValueError:
+        return 1
+    if replicas < 1 or instances <= replicas or instances % replicas:
+        return 1
+    return instances // replicas

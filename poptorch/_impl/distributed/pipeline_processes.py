@@ -14,8 +14,10 @@ inference); they also share the last stage's outputs, so every process
 returns them.
 
 Every process of a pipeline must be called with the same inputs (checked on
-each call): ``poptorch.DataLoader`` splits data by process, so pipelines
-use ``auto_distributed_partitioning=False`` or split the data by pipeline.
+each call). Under ``poprun``, ``poptorch.DataLoader`` gives the processes of
+one replica the same data; otherwise it splits data by process, so
+pipelines use ``auto_distributed_partitioning=False`` or split the data by
+pipeline.
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -66,9 +68,11 @@ class PipelineProcesses:
                 f"Processes {self.ranks[0]} to {self.ranks[-1]} run the "
                 "stages of one pipeline but were called with different "
                 "inputs: every process of a pipeline must get the same data. "
-                "With poptorch.DataLoader, pass "
-                "auto_distributed_partitioning=False (or split the data by "
-                "pipeline, process id // number of stages).")
+                "Start the run with poprun (--num-instances a multiple of "
+                "--num-replicas), whose poptorch.DataLoader splits data by "
+                "replica, or pass auto_distributed_partitioning=False to "
+                "poptorch.DataLoader (or split the data by pipeline, process "
+                "id // number of stages).")
 
     def reduce_gradients_(self, grads: Sequence[torch.Tensor],
                           average: bool) -> None:
