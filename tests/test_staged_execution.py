@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl import staged_execution
 from poptorch._impl.pipeline import PipelineSchedule
 from poptorch._impl.sequential_stages import SequentialSchedule
 from conftest import assert_same_weights, make_data, options
@@ -608,3 +609,44 @@ def test_set_optimizer_changes_the_learning_rate_from_the_next_call():
     for call in range(3):
         plain_training(unchanged_twin, slow, *make_data(ROWS, seed=call))
     assert not torch.allclose(unchanged_twin.fc1.weight, twin.fc1.weight)
+
+
+# --- what a pipeline over processes refuses (checked on a compiled model) --
+
+def _processes_refuse(net, optimizer, message):
+    """Compile ``net`` in this process, then check its settings as a run
+    of one stage per process would."""
+    model = poptorch.trainingModel(
+        net, options(1, 5, autoRoundNumIPUs=True), optimizer)
+    model.compile(*make_data(5 * BATCH))
+    staged = model._staged
+    with pytest.raises(poptorch.Error, match=message):
+        staged_execution._check_training(
+            staged._settings, [torch.zeros(1)], staged._staged,
+            processes=True, param_names=staged._param_names)
+
+
+def test_stages_in_processes_refuse_weights_shared_between_stages():
+    net = Crossing()
+    _processes_refuse(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                      r"parameter\(s\) fc2.weight, fc2.bias are used by "
+                      "several stages")
+
+
+@pytest.mark.parametrize("settings", [
+    {"max_grad_norm": 1.0}, {"loss_scaling": 8.0, "auto": True}],
+    ids=["max-grad-norm", "automatic-loss-scaling"])
+def test_stages_in_processes_refuse_what_needs_every_gradient(settings):
+    net = FourBlocks()
+    automatic = settings.pop("auto", False)
+    optimizer = poptorch.optim.SGD(net.parameters(), lr=0.1, **settings)
+    opts = options(1, ACCUMULATION)
+    opts.Training.setAutomaticLossScaling(automatic)
+    model = poptorch.trainingModel(net, opts, optimizer)
+    model.compile(*make_data(ACCUMULATION * BATCH))
+    staged = model._staged
+    with pytest.raises(poptorch.Error,
+                       match="automatic loss scaling and max_grad_norm"):
+        staged_execution._check_training(
+            staged._settings, [torch.zeros(1)], staged._staged,
+            processes=True, param_names=staged._param_names)

@@ -230,7 +230,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                       "run as captured graphs under autograd")
         self._staged = staged_execution.StagedExecution(
             staged, plan.strategy, state.params, trainable, state.buffers[0],
-            state.device, self._training, layout)
+            state.device, self._training, state.param_names)
         self._graphs = {}
 
     def _compile_inference(self, model_call, analysis, state, inputs) -> None:

@@ -80,7 +80,8 @@ def check_supported(layout: BatchLayout, processes: int, anchors: bool,
 
 
 def _check_training(settings: StepSettings, params: List[torch.Tensor],
-                    staged: StagedGraph, processes: bool) -> None:
+                    staged: StagedGraph, processes: bool,
+                    param_names: List[str]) -> None:
     what = _what(len(staged.stages))
     gradients = settings.gradients
     if gradients.accum_dtype is not None and any(
@@ -101,12 +102,13 @@ def _check_training(settings: StepSettings, params: List[torch.Tensor],
         raise Error(f"{what} its stages run in separate processes: automatic "
                     "loss scaling and max_grad_norm need the gradients of "
                     "every stage at once, which is not available yet.")
-    shared = [i for i, owners in enumerate(staged.param_owners())
-              if len(owners) > 1]
+    shared = [param_names[i] for i, owners in
+              enumerate(staged.param_owners()) if len(owners) > 1]
     if shared:
         raise Error(f"{what} its stages run in separate processes: "
-                    f"parameter(s) {shared} are used by several stages; "
-                    "place the blocks that share a weight in one stage.")
+                    f"parameter(s) {', '.join(shared)} are used by several "
+                    "stages; place the blocks that share a weight in one "
+                    "stage.")
 
 
 class StagedExecution:
@@ -114,8 +116,9 @@ class StagedExecution:
 
     def __init__(self, staged: StagedGraph, strategy, params, trainable,
                  buffers, device: torch.device, training: bool,
-                 layout: BatchLayout) -> None:
+                 param_names: List[str]) -> None:
         self._staged = staged
+        self._param_names = param_names
         self._strategy = strategy
         self._device = device
         self._view = StageState(params, trainable, buffers)
@@ -152,7 +155,7 @@ class StagedExecution:
         the schedule: with ``processes``, this process runs one stage of a
         pipeline."""
         _check_training(settings, example["trainable"], self._staged,
-                        processes is not None)
+                        processes is not None, self._param_names)
         self._update = trace_update_step(layout, settings, example)
         self._training_layout = layout
         self._settings = settings
