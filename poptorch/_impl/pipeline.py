@@ -1,5 +1,6 @@
 """``PipelinedExecution``: the stages run as a micro-batch pipeline by
-``torch.distributed.pipelining``.
+``torch.distributed.pipelining`` (training; inference runs stage after
+stage, ``sequential_stages.py``).
 
 Every stage is a ``PipelineStage``. In one process all the stages are local
 to it and ``ScheduleInterleaved1F1B`` (which holds several stages per
@@ -8,9 +9,8 @@ pipeline, then each stage alternates one forward and one backward, and the
 last backwards drain it. With one stage per process
 (``distributed/pipeline_processes.py``), ``Schedule1F1B`` runs that order
 with the stages working concurrently and passing activations and gradients
-point to point. The G micro-batches of one optimizer step form one
-schedule step; an inference call's D micro-batches form one forward-only
-step.
+point to point. The G x R micro-batches of one optimizer step form one
+schedule step.
 
 The schedule needs a torch.distributed process group: when the process has
 none, a single-process gloo group is created (logged at INFO). The schedule
@@ -52,16 +52,16 @@ class PipelineSchedule:
     stage of this process in its pipeline (``Schedule1F1B``)."""
 
     def __init__(self, modules: List[StageModule], device: torch.device,
-                 micro_batches: int, training: bool,
+                 micro_batches: int,
                  processes: Optional[PipelineProcesses] = None) -> None:
         self._scale_loss: Optional[Callable] = None
-        loss = self._loss if training else None
         if processes is not None:
             module = modules[processes.stage]
             module.skip_effects_once = True
             stage = PipelineStage(module, processes.stage, len(modules),
                                   device, group=processes.group)
-            self._schedule = Schedule1F1B(stage, micro_batches, loss_fn=loss,
+            self._schedule = Schedule1F1B(stage, micro_batches,
+                                          loss_fn=self._loss,
                                           scale_grads=False)
             return
         _single_process_group()
@@ -71,17 +71,17 @@ class PipelineSchedule:
             stages.append(PipelineStage(module, module.index, len(modules),
                                         device))
         self._schedule = ScheduleInterleaved1F1B(
-            stages, micro_batches, loss_fn=loss, scale_grads=False)
+            stages, micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output, target) -> torch.Tensor:
         return self._scale_loss(output[-1])
 
     def run(self, inputs: List[torch.Tensor], micro_batches: int,
-            scale_loss: Optional[Callable] = None) -> None:
-        """One schedule step over the micro-batches stacked in ``inputs``
-        (first dimension: the micro-batch)."""
+            scale_loss: Callable) -> None:
+        """One training step over the micro-batches stacked in ``inputs``
+        (first dimension: the micro-batch); ``scale_loss`` gives the loss
+        to differentiate from the model's loss."""
         self._scale_loss = scale_loss
         kwargs = {input_name(i): t for i, t in enumerate(inputs)}
-        target = (torch.zeros(micro_batches)
-                  if scale_loss is not None else None)
-        self._schedule.step(target=target, return_outputs=False, **kwargs)
+        self._schedule.step(target=torch.zeros(micro_batches),
+                            return_outputs=False, **kwargs)

@@ -163,7 +163,7 @@ class StagedExecution:
         if processes is not None or \
                 isinstance(self._strategy, PipelinedExecution):
             self._schedule = PipelineSchedule(self._modules, self._device,
-                                              micro_batches, True, processes)
+                                              micro_batches, processes)
 
     def _collect(self, collector: OutputCollector,
                  positions: List[Tuple[int, int, int]],
