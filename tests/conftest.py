@@ -1,6 +1,7 @@
 """Shared models, data and the plain-PyTorch reference loop."""
 import copy
 import logging
+import socket
 
 import pytest
 import torch
@@ -126,3 +127,10 @@ def poptorch_log(caplog, monkeypatch):
     logger_module.logger.addHandler(caplog.handler)
     yield caplog
     logger_module.logger.removeHandler(caplog.handler)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a test's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

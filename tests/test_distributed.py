@@ -3,7 +3,6 @@ checks and faults. The multi-process tests start real processes (gloo on
 the CPU) and are marked slow."""
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import poptorch
 from poptorch._impl.distributed import consistency
 from poptorch._impl.distributed.environment import ProcessEnvironment
 from poptorch.run import main as poprun
+from conftest import free_port
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "distributed_program.py")
 
@@ -130,16 +130,11 @@ def test_launcher_rejects_non_positive_counts(capsys):
 
 # --- several processes --------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def _start_pair(output, *extra, timeout="60", per_process=None):
     """Start processes 0 and 1 of a 2-process run (torchrun variables,
     without a launcher); ``per_process[i]`` adds arguments to process i."""
-    port = str(_free_port())
+    port = str(free_port())
     processes = []
     for rank in range(2):
         environment = dict(os.environ, RANK=str(rank), WORLD_SIZE="2",

@@ -5,7 +5,6 @@ one process, and every process returns the outputs and holds the trained
 weights. The tests start real processes (gloo on the CPU), so they are
 marked slow."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,21 +12,17 @@ import pytest
 import torch
 
 import pipeline_program as program
+from conftest import free_port
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "pipeline_program.py")
 TOLERANCE = dict(atol=1e-5, rtol=1e-4)   # sums over pipelines reorder
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def _run(output, processes: int, *extra):
     """Start ``processes`` processes with torchrun's variables; return
     their (exit code, stderr)."""
-    port = str(_free_port())
+    port = str(free_port())
     started = []
     for rank in range(processes):
         environment = dict(os.environ, RANK=str(rank),

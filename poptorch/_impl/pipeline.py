@@ -18,7 +18,6 @@ sums the micro-batches' gradients into each parameter's ``.grad`` (no
 scaling); the loss it differentiates is the model's loss scaled for the
 step (loss scaling, reduction).
 """
-import atexit
 from typing import Callable, List, Optional
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                           ScheduleInterleaved1F1B)
 
+from .distributed import process_group
 from .distributed.pipeline_processes import PipelineProcesses
 from .logger import info_once
 from .stages import StageModule, input_name
@@ -38,12 +38,7 @@ def _single_process_group() -> None:
               "process group; starting a single-process gloo group")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
-    atexit.register(_leave)
-
-
-def _leave() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    process_group.leave_at_exit()
 
 
 class PipelineSchedule:

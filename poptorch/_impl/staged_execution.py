@@ -202,7 +202,7 @@ class StagedExecution:
         if self._processes is not None:
             self._processes.check_same_inputs(inputs)
         for iteration in range(layout.device_iterations):
-            self._view.rebind(_merged(training, state), state.buffer_sets[0])
+            self._view.rebind(training.merge(state.trainable, state.frozen), state.buffer_sets[0])
             scaling = self._settings.attributes.bind(
                 state.hyper[training.hyper_size():],
                 state.optimizer[training.state_size():])
@@ -223,7 +223,7 @@ class StagedExecution:
             self._collect(collector, positions, layout)
         if self._processes is not None:
             self._processes.broadcast_from_owners(self._owned(state))
-        self._view.rebind(_merged(training, state), state.buffer_sets[0])
+        self._view.rebind(training.merge(state.trainable, state.frozen), state.buffer_sets[0])
 
     def _reduce_over_pipelines(self, grads: List[torch.Tensor]) -> None:
         if self._processes is None:
@@ -240,7 +240,7 @@ class StagedExecution:
         buffers it owns."""
         training = self._training_layout
         owners = self._staged.param_owners()
-        state_of = _state_positions(training)
+        state_of = training.state_indices()
         owned: List[List[torch.Tensor]] = [[] for _ in self._modules]
         for position, index in enumerate(training.trainable):
             stage = owners[index][0]
@@ -249,28 +249,6 @@ class StagedExecution:
         for stage, written in enumerate(self._staged.buffer_writers()):
             owned[stage].extend(state.buffer_sets[0][i] for i in written)
         return owned
-
-
-def _state_positions(training: TrainingLayout) -> Dict[int, List[int]]:
-    """The flat optimizer state indices of each trainable position."""
-    positions: Dict[int, List[int]] = {}
-    index = 0
-    for group in training.groups:
-        for _ in group.rule.state_names:
-            for position in group.positions:
-                positions.setdefault(position, []).append(index)
-                index += 1
-    return positions
-
-
-def _merged(training: TrainingLayout,
-            state: TrainingState) -> List[torch.Tensor]:
-    params = [None] * (len(training.trainable) + len(training.frozen))
-    for index, tensor in zip(training.trainable, state.trainable):
-        params[index] = tensor
-    for index, tensor in zip(training.frozen, state.frozen):
-        params[index] = tensor
-    return params
 
 
 def _stacked(inputs: List[torch.Tensor],

@@ -127,6 +127,28 @@ class TrainingLayout:
                              dtype=torch.float64, device=device)
                 for g in self.groups for name in g.variable_hyper]
 
+    def merge(self, trainable: Sequence[torch.Tensor],
+              frozen: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """All the model's parameters, in order, from the trainable and the
+        frozen lists."""
+        params = [None] * (len(trainable) + len(frozen))
+        for index, tensor in zip(self.trainable, trainable):
+            params[index] = tensor
+        for index, tensor in zip(self.frozen, frozen):
+            params[index] = tensor
+        return params
+
+    def state_indices(self) -> Dict[int, List[int]]:
+        """The flat optimizer state indices of each trainable position."""
+        indices: Dict[int, List[int]] = {}
+        index = 0
+        for group in self.groups:
+            for _ in group.rule.state_names:
+                for position in group.positions:
+                    indices.setdefault(position, []).append(index)
+                    index += 1
+        return indices
+
     def unflatten_state(self, flat: Sequence[torch.Tensor]
                         ) -> List[Dict[str, List[torch.Tensor]]]:
         states, start = [], 0
@@ -221,14 +243,6 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
              len(example["buffers"]), len(example["state"]),
              len(example["hyper"]), len(running)]
 
-    def merge(trainable, frozen):
-        params = [None] * (len(trainable) + len(frozen))
-        for index, tensor in zip(layout.trainable, trainable):
-            params[index] = tensor
-        for index, tensor in zip(layout.frozen, frozen):
-            params[index] = tensor
-        return params
-
     def step(*flat):
         trainable, frozen, buffers, state, hyper, running, inputs = split_flat(
             flat, sizes)
@@ -237,7 +251,7 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
 
         trainable = [t.detach().requires_grad_() for t in trainable]
         with torch.enable_grad():
-            value, outputs, written = forward(merge(trainable, frozen),
+            value, outputs, written = forward(layout.merge(trainable, frozen),
                                               buffers, inputs)
             value = scaling.scale_loss(value,
                                        settings.gradients.loss_factor())

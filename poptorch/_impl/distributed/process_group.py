@@ -127,7 +127,7 @@ def _initialise(environment: ProcessEnvironment,
             f"{timeout:.0f} s ({type(error).__name__}: {error}). Check that "
             "every process was started with the same MASTER_ADDR/"
             "MASTER_PORT and process count.") from error
-    atexit.register(_leave)
+    leave_at_exit()
 
 
 def _backend_timeout(environment: ProcessEnvironment,
@@ -138,6 +138,11 @@ def _backend_timeout(environment: ProcessEnvironment,
     if ProcessEnvironment.backend(device) == "gloo":
         return environment.timeout
     return 2 * environment.timeout + 10
+
+
+def leave_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits."""
+    atexit.register(_leave)
 
 
 def _leave() -> None:
