@@ -119,6 +119,7 @@ class StagedExecution:
                  param_names: List[str]) -> None:
         self._staged = staged
         self._param_names = param_names
+        self._owners = staged.param_owners()
         self._strategy = strategy
         self._device = device
         self._view = StageState(params, trainable, buffers)
@@ -228,10 +229,9 @@ class StagedExecution:
     def _reduce_over_pipelines(self, grads: List[torch.Tensor]) -> None:
         if self._processes is None:
             return
-        owners = self._staged.param_owners()
         mine = [grad for index, grad in zip(self._training_layout.trainable,
                                             grads)
-                if self._processes.stage in owners[index]]
+                if self._processes.stage in self._owners[index]]
         self._processes.reduce_gradients_(
             mine, self._settings.reduction == ReductionType.Mean)
 
@@ -239,11 +239,10 @@ class StagedExecution:
         """Per stage, the trained weights, optimizer state and written
         buffers it owns."""
         training = self._training_layout
-        owners = self._staged.param_owners()
         state_of = training.state_indices()
         owned: List[List[torch.Tensor]] = [[] for _ in self._modules]
         for position, index in enumerate(training.trainable):
-            stage = owners[index][0]
+            stage = self._owners[index][0]
             owned[stage].append(state.trainable[position])
             owned[stage].extend(state.optimizer[i] for i in state_of[position])
         for stage, written in enumerate(self._staged.buffer_writers()):
