@@ -17,6 +17,7 @@ import torch
 from ..errors import Error
 from . import compile_errors
 from .backends.backend import CompiledStep
+from .backends.in_place import Donation
 from .backends.selection import ENVIRONMENT_VARIABLE, select_backend
 from .devices import select_device
 from .executable_cache import ExecutableCache, compile_cached, executable_key
@@ -112,18 +113,20 @@ class CompileSession:
         self._progress.advance(f"captured the {name} step")
         return graph
 
-    def compile(self, name: str,
-                graph: torch.fx.GraphModule) -> CompiledStep:
+    def compile(self, name: str, graph: torch.fx.GraphModule,
+                donation: Optional[Donation] = None) -> CompiledStep:
         """The backend's compiled form of ``graph`` (from the exported file
-        or the executable cache when they hold it)."""
+        or the executable cache when they hold it); ``donation``: the
+        inputs the device loop drops after each step."""
         example_inputs = _example_inputs(graph)
         if self.precompiled is not None:
-            step = self._precompiled_step(name, graph, example_inputs)
+            step = self._precompiled_step(name, graph, example_inputs,
+                                          donation)
         elif self.cache is not None and self.backend.keeps_executables:
             step = compile_cached(self.cache, self.backend, graph,
-                                  example_inputs, self.key(name))
+                                  example_inputs, self.key(name), donation)
         else:
-            step = self.backend.compile(graph, example_inputs)
+            step = self.backend.compile(graph, example_inputs, donation)
         self.steps[name] = step
         self._progress.advance(f"compiled the {name} step "
                                f"({self.backend.name})")
@@ -139,7 +142,8 @@ class CompileSession:
         return self.keys[name]
 
     def _precompiled_step(self, name: str, graph: torch.fx.GraphModule,
-                          example_inputs: List[torch.Tensor]) -> CompiledStep:
+                          example_inputs: List[torch.Tensor],
+                          donation: Optional[Donation]) -> CompiledStep:
         key = self.key(name)
         stored = self.precompiled.get(name)
         if stored is None or stored.key != key:
@@ -151,7 +155,7 @@ class CompileSession:
                 "optimizer and options), or export it again.")
         if stored.executable is None:
             return compile_cached(self.cache, self.backend, graph,
-                                  example_inputs, key)
+                                  example_inputs, key, donation)
         directory = self.cache.backend_directory if self.cache else None
         with self.backend.storage(directory):
             return self.backend.deserialize(stored.executable)

@@ -3,9 +3,10 @@ micro-batch steps here without returning to the user (semantics.md, "One call
 of a wrapped model").
 
 Each replica step reads its own slice of the data; on the vectorised replica
-path (``replication.py``) one step covers all the replicas. Training sums the gradients of the G x R micro-batches of a
-step in a running sum that starts at zero and applies one optimizer update on
-the last micro-batch; buffers change on every micro-batch.
+path (``replication.py``) one step covers all the replicas. Training sums
+the gradients of the G x R micro-batches of a step in a running sum, the
+same tensors every step, zeroed at its start, and applies one optimizer
+update on the last micro-batch; buffers change on every micro-batch.
 """
 import dataclasses
 from typing import List, Optional
@@ -28,7 +29,7 @@ class TrainingSteps:
     update: CompiledStep                # the last micro-batch of a step
     accumulate: Optional[CompiledStep]  # the others (None when G x R == 1)
     written_buffers: List[int]
-    zeros: List[torch.Tensor]           # the running buffer's start value
+    running: List[torch.Tensor]         # the running gradient buffer
 
 
 def _store_buffers(buffers: List[torch.Tensor], written: List[int],
@@ -70,7 +71,9 @@ def run_training(steps: TrainingSteps, state: TrainingState,
     written = len(steps.written_buffers)
     trained = len(state.trainable)
     for iteration in range(layout.device_iterations):
-        running = [zeros.clone() for zeros in steps.zeros]
+        running = steps.running
+        if running:
+            torch._foreach_zero_(running)
         for step in range(accumulation):
             for replica in range(replicas):
                 buffers = state.buffer_sets[replica % len(state.buffer_sets)]
@@ -83,7 +86,7 @@ def run_training(steps: TrainingSteps, state: TrainingState,
                                               *state.hyper, *running, *micro)
                     _store_buffers(buffers, steps.written_buffers,
                                    result[:written])
-                    end = written + len(steps.zeros)
+                    end = written + len(steps.running)
                     running = result[written:end]
                     outputs = result[end:]
                 else:

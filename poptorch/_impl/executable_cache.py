@@ -38,6 +38,7 @@ import torch
 
 from .._version import __version__
 from .backends.backend import Backend, CompiledStep
+from .backends.in_place import Donation
 from .logger import logger
 from .serialization.graph_format import graph_fingerprint, tensor_metadata
 
@@ -159,19 +160,20 @@ def _write_atomically(path: str, data: bytes) -> None:
 def compile_cached(cache: Optional[ExecutableCache], backend: Backend,
                    graph: torch.fx.GraphModule,
                    example_inputs: List[torch.Tensor],
-                   key: str) -> CompiledStep:
-    """``backend.compile(graph, example_inputs)``, through the cache when
-    there is one and the backend keeps executables; ``key`` is the step's
-    ``executable_key``."""
+                   key: str, donation: Optional[Donation] = None
+                   ) -> CompiledStep:
+    """``backend.compile(graph, example_inputs, donation)``, through the
+    cache when there is one and the backend keeps executables; ``key`` is
+    the step's ``executable_key``."""
     if cache is None or not backend.keeps_executables:
-        return backend.compile(graph, example_inputs)
+        return backend.compile(graph, example_inputs, donation)
     with backend.storage(cache.backend_directory):
         step = _load_entry(cache, backend, key)
         if step is not None:
             logger.debug("Loaded the compiled step %s from the executable "
                          "cache", key)
             return step
-        step = backend.compile(graph, example_inputs)
+        step = backend.compile(graph, example_inputs, donation)
         cache.write(key, backend.serialize(step))
     return step
 

@@ -38,7 +38,7 @@ from .outputs import (OutputCollector, as_training_outputs,
                       check_return_period, resolve_output_mode)
 from .rng import ModelRng
 from .signature import CallArguments, InputSignature
-from .training_step import StepSettings, TrainingLayout
+from .training_step import StepSettings, TrainingLayout, step_donation
 
 class PoplarExecutor(CompiledExecutionMethods):
     """Wrapper around a ``torch.nn.Module`` compiled for the device.
@@ -300,12 +300,15 @@ class PoplarExecutor(CompiledExecutionMethods):
                 inputs, self._training_flags, update=False, accumulated=True)
         graphs = {name: self._session.graph(name, graph)
                   for name, graph in graphs.items()}
-        compiled = {name: self._session.compile(name, graph)
-                    for name, graph in graphs.items()}
+        zeros = settings.gradients.start(trainable) if accumulate else []
+        compiled = {name: self._session.compile(
+            name, graph, step_donation(example, len(zeros),
+                                       len(analysis.written_buffers),
+                                       update=name == "update"))
+            for name, graph in graphs.items()}
         self._steps = device_loop.TrainingSteps(
             update=compiled["update"], accumulate=compiled.get("accumulate"),
-            written_buffers=analysis.written_buffers,
-            zeros=settings.gradients.start(trainable) if accumulate else [])
+            written_buffers=analysis.written_buffers, running=zeros)
         self._graphs = graphs
 
     def _batch_layout(self) -> BatchLayout:
@@ -571,8 +574,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             device = self._state.device
             self._hyper = [h.to(device) for h in self._hyper]
             if self._staged is None:
-                self._steps.zeros = [z.to(device)
-                                     for z in self._steps.zeros]
+                self._steps.running = [z.to(device)
+                                       for z in self._steps.running]
 
     def isAttachedToDevice(self) -> bool:
         """True while the model is attached to its device."""

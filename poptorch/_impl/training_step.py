@@ -26,6 +26,7 @@ import torch
 
 from ..enums import ReductionType
 from . import losses
+from .backends.in_place import Donation
 from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace, trace_user_code)
@@ -275,6 +276,26 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             example["state"] + example["hyper"] + running + example["inputs"])
     with capture_scope(call.module, training_flags):
         return trace_user_code(step, flat)
+
+
+def step_donation(example: Dict[str, List[torch.Tensor]], running: int,
+                  written: int, update: bool) -> Donation:
+    """The inputs of a traced training step that the device loop drops
+    after the step (``backends/in_place.py``). The update step replaces the
+    trainable parameters and the optimizer state by their new values, and
+    the ``running`` gradient buffer tensors are scratch (the next optimizer
+    step starts a new buffer); the accumulate step replaces the running
+    buffer by its new sum, after the ``written`` buffers in its outputs."""
+    trainable, state = len(example["trainable"]), len(example["state"])
+    state_start = trainable + len(example["frozen"]) + len(example["buffers"])
+    running_start = state_start + state + len(example["hyper"])
+    running_inputs = range(running_start, running_start + running)
+    if not update:
+        return Donation({i: written + k for k, i in enumerate(running_inputs)})
+    replaced = {i: i for i in range(trainable)}
+    replaced.update({state_start + k: trainable + written + k
+                     for k in range(state)})
+    return Donation(replaced, frozenset(running_inputs))
 
 
 def trace_update_step(layout: TrainingLayout, settings: StepSettings,

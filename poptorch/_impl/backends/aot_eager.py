@@ -7,11 +7,12 @@ inputs), in well under a second, so a difference between "graph" and
 "inductor" can be narrowed down to functionalization or to Inductor's code
 generation. It is for debugging, not speed.
 """
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from .backend import Backend, CompiledStep, register
+from .in_place import Donation
 
 
 def _run_graph(graph: torch.fx.GraphModule, example_inputs) -> CompiledStep:
@@ -23,7 +24,10 @@ class AotEagerBackend(Backend):
     name = "aot_eager"
 
     def compile(self, graph: torch.fx.GraphModule,
-                example_inputs: List[torch.Tensor]) -> CompiledStep:
+                example_inputs: List[torch.Tensor],
+                donation: Optional[Donation] = None) -> CompiledStep:
+        """Runs the functionalized graph as it is: ``donation`` is not
+        used."""
         from torch._functorch.aot_autograd import aot_module_simplified
         return aot_module_simplified(graph, list(example_inputs),
                                      fw_compiler=_run_graph)

@@ -6,6 +6,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 
 from ...errors import Error
+from .in_place import Donation
 
 CompiledStep = Callable[..., Sequence[torch.Tensor]]
 
@@ -24,8 +25,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def compile(self, graph: torch.fx.GraphModule,
-                example_inputs: List[torch.Tensor]) -> CompiledStep:
-        """A callable taking the graph's flat inputs positionally."""
+                example_inputs: List[torch.Tensor],
+                donation: Optional[Donation] = None) -> CompiledStep:
+        """A callable taking the graph's flat inputs positionally.
+        ``donation`` names the inputs whose old values the caller drops
+        after a call (``in_place.py``); a backend may overwrite them."""
 
     def serialize(self, step: CompiledStep,
                   portable: bool = False) -> Optional[bytes]:

@@ -30,6 +30,7 @@ import torch
 from ...errors import Error
 from ..logger import logger
 from .backend import Backend, CompiledStep, register
+from .in_place import Donation
 
 _PORTABLE = b"poptorch-inductor-portable\n"
 _ARTIFACT = "artifact.bin"
@@ -52,7 +53,9 @@ class InductorBackend(Backend):
     keeps_executables = True
 
     def compile(self, graph: torch.fx.GraphModule,
-                example_inputs: List[torch.Tensor]) -> CompiledStep:
+                example_inputs: List[torch.Tensor],
+                donation: Optional[Donation] = None) -> CompiledStep:
+        """Inductor plans its own buffer reuse: ``donation`` is not used."""
         from torch._inductor import standalone_compile
         artifact = standalone_compile(graph, list(example_inputs),
                                       dynamic_shapes="from_example_inputs",
