@@ -2,8 +2,9 @@
 call matches it (semantics.md: changing an argument's dtype, shape or
 structure after compilation is an error naming the argument)."""
 import dataclasses
+import functools
 import inspect
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -37,25 +38,52 @@ def _describe_value(value: Any) -> str:
 
 
 class CallArguments:
-    """One call's arguments bound to ``forward``'s parameters and flattened."""
+    """One call's arguments bound to ``forward``'s parameters and flattened
+    (``paths`` names each leaf; they are only worked out when asked for)."""
 
     def __init__(self, forward: Callable, args: tuple, kwargs: dict) -> None:
-        bound = _bind(forward, args, kwargs)
+        signature = _signature(forward)
+        bound = _bind(signature, args, kwargs)
         self.args = bound.args
         self.kwargs = bound.kwargs
-        with_paths, self.spec = pytree.tree_flatten_with_path(
-            (self.args, self.kwargs))
-        names = _parameter_names(forward, len(self.args))
-        self.paths = [_path_name(path, names) for path, _ in with_paths]
-        self.leaves = [leaf for _, leaf in with_paths]
+        self.leaves, self.spec = pytree.tree_flatten((self.args, self.kwargs))
+        self._signature = signature
+        self._paths: Optional[List[str]] = None
+
+    @property
+    def paths(self) -> List[str]:
+        if self._paths is None:
+            with_paths, _ = pytree.tree_flatten_with_path(
+                (self.args, self.kwargs))
+            names = _parameter_names(self._signature, len(self.args))
+            self._paths = [_path_name(path, names) for path, _ in with_paths]
+        return self._paths
 
     def tensor_positions(self) -> List[int]:
         return [i for i, leaf in enumerate(self.leaves)
                 if isinstance(leaf, torch.Tensor)]
 
 
-def _bind(forward: Callable, args: tuple, kwargs: dict):
-    signature = inspect.signature(forward)
+@functools.lru_cache(maxsize=64)
+def _function_signature(function: Callable) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _signature(forward: Callable) -> inspect.Signature:
+    """``inspect.signature(forward)``, worked out once per function."""
+    function = getattr(forward, "__func__", None)
+    if function is None or not inspect.isfunction(function):
+        return inspect.signature(forward)
+    signature = _function_signature(function)
+    parameters = list(signature.parameters.values())
+    if parameters and parameters[0].kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        parameters = parameters[1:]      # the bound instance
+    return signature.replace(parameters=parameters)
+
+
+def _bind(signature: inspect.Signature, args: tuple, kwargs: dict):
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as error:
@@ -65,8 +93,9 @@ def _bind(forward: Callable, args: tuple, kwargs: dict):
     return bound
 
 
-def _parameter_names(forward: Callable, num_args: int) -> List[str]:
-    parameters = inspect.signature(forward).parameters.values()
+def _parameter_names(signature: inspect.Signature,
+                     num_args: int) -> List[str]:
+    parameters = signature.parameters.values()
     names: List[str] = []
     for parameter in parameters:
         if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
