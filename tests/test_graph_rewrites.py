@@ -12,6 +12,7 @@ import poptorch
 from conftest import assert_same_weights, make_data, options
 from poptorch._impl.backends.accumulation import accumulate_where_computed
 from poptorch._impl.backends.in_place import Donation, reuse_dead_tensors
+from poptorch._impl.backends.scaled_addition import fuse_scaled_additions
 
 aten = torch.ops.aten
 
@@ -25,6 +26,7 @@ def _rewritten(graph_module, donation=Donation({}), accumulate=False):
     graph.output(graph.graph_copy(graph_module.graph, {}))
     if accumulate:
         accumulate_where_computed(graph)
+    fuse_scaled_additions(graph)
     reuse_dead_tensors(graph, donation)
     return torch.fx.GraphModule(graph_module, graph)
 
@@ -55,16 +57,16 @@ def test_donated_state_is_updated_in_place_with_the_same_values():
               torch.tensor(0.1)]
     expected, result, given, graph = _run_both(
         _momentum_step, inputs, Donation({0: 0, 1: 1}))
-    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-7)
     assert result[0] is given[0] and result[1] is given[1]
-    assert aten._foreach_sub_.List in _targets(graph)
+    assert aten._foreach_addcmul_.Scalar in _targets(graph)
 
 
 def test_inputs_not_donated_are_never_written():
     inputs = [torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 3),
               torch.tensor(0.1)]
     expected, result, given, _ = _run_both(_momentum_step, inputs)
-    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-7)
     for before, after in zip(inputs, given):
         assert torch.equal(before, after)
 
@@ -155,6 +157,35 @@ def test_an_output_in_a_scratch_input_is_cloned():
     assert result[0].data_ptr() != given[0].data_ptr()
 
 
+@pytest.mark.parametrize("tensor_scale, fused", [
+    (False, aten._foreach_add_.List),
+    (True, aten._foreach_addcmul_.Scalar),
+], ids=["number", "tensor"])
+def test_a_scaled_addition_is_one_operation(tensor_scale, fused):
+    def fn(base, other, scale):
+        scale = scale if tensor_scale else 0.25
+        return torch._foreach_sub([base], torch._foreach_mul([other], scale))
+
+    inputs = [torch.randn(4, 4), torch.randn(4, 4), torch.tensor(0.25)]
+    expected, result, given, graph = _run_both(fn, inputs, Donation({0: 0}))
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-7)
+    targets = _targets(graph)
+    assert fused in targets and aten._foreach_mul.Scalar not in targets
+    assert aten._foreach_mul.Tensor not in targets
+    assert result[0] is given[0]
+
+
+def test_a_product_read_elsewhere_is_kept():
+    def fn(base, other):
+        product = torch._foreach_mul([other], 0.5)
+        return torch._foreach_add([base], product) + product
+
+    inputs = [torch.randn(4), torch.randn(4)]
+    expected, result, _, graph = _run_both(fn, inputs, Donation({0: 0}))
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    assert aten._foreach_mul.Scalar in _targets(graph)
+
+
 def _accumulate(running, a, b, bias_grad):
     grads = [torch.mm(a, b), bias_grad * 2.0]
     torch._foreach_add_(running, grads)
@@ -189,6 +220,22 @@ def test_a_transposed_product_is_fused_with_its_operands_swapped():
                                            accumulate=True)
     torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-6)
     assert aten.addmm_.default in _targets(graph)
+
+
+def test_a_product_written_into_the_buffer_is_computed_there():
+    def fn(r0, r1, a, b, g):
+        torch._foreach_copy_([r0, r1], [torch.mm(a, b), g * 2.0])
+        return [r0, r1]
+
+    inputs = [torch.randn(3, 5), torch.randn(5), torch.randn(3, 4),
+              torch.randn(4, 5), torch.randn(5)]
+    expected, result, given, graph = _run_both(
+        fn, inputs, Donation({0: 0, 1: 1}), accumulate=True)
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-6)
+    targets = _targets(graph)
+    assert aten.mm.out in targets and aten.mm.default not in targets
+    assert aten._foreach_copy_.default not in targets
+    assert result[0] is given[0]
 
 
 def test_a_sum_read_before_the_addition_keeps_its_old_value():

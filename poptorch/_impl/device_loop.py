@@ -5,8 +5,10 @@ of a wrapped model").
 Each replica step reads its own slice of the data; on the vectorised replica
 path (``replication.py``) one step covers all the replicas. Training sums
 the gradients of the G x R micro-batches of a step in a running sum, the
-same tensors every step, zeroed at its start, and applies one optimizer
-update on the last micro-batch; buffers change on every micro-batch.
+same tensors every step, zeroed at its start (with one micro-batch per
+step, which some backends also give a buffer, the step writes it), and
+applies one optimizer update on the last micro-batch; buffers change on
+every micro-batch.
 """
 import dataclasses
 from typing import List, Optional
@@ -29,7 +31,8 @@ class TrainingSteps:
     update: CompiledStep                # the last micro-batch of a step
     accumulate: Optional[CompiledStep]  # the others (None when G x R == 1)
     written_buffers: List[int]
-    running: List[torch.Tensor]         # the running gradient buffer
+    running: List[torch.Tensor]         # the running gradient buffer, if
+                                        # the steps keep one
 
 
 def _store_buffers(buffers: List[torch.Tensor], written: List[int],
@@ -72,7 +75,7 @@ def run_training(steps: TrainingSteps, state: TrainingState,
     trained = len(state.trainable)
     for iteration in range(layout.device_iterations):
         running = steps.running
-        if running:
+        if steps.accumulate is not None:
             torch._foreach_zero_(running)
         for step in range(accumulation):
             for replica in range(replicas):
@@ -90,9 +93,8 @@ def run_training(steps: TrainingSteps, state: TrainingState,
                     running = result[written:end]
                     outputs = result[end:]
                 else:
-                    extra = running if steps.accumulate is not None else []
                     result = steps.update(*head, *state.optimizer,
-                                          *state.hyper, *extra, *micro)
+                                          *state.hyper, *running, *micro)
                     state.trainable = list(result[:trained])
                     _store_buffers(buffers, steps.written_buffers,
                                    result[trained:trained + written])

@@ -290,9 +290,10 @@ class PoplarExecutor(CompiledExecutionMethods):
                 processes.pipelines(self._staged.stage_count))
             return
         accumulate = settings.gradients.accumulates
+        summed = accumulate or self._session.backend.sums_gradients_in_buffer
         graphs = {"update": self._replicas.trace_training(
             model_call, training, settings, example, state.buffers, inputs,
-            self._training_flags, update=True, accumulated=accumulate,
+            self._training_flags, update=True, accumulated=summed,
             reduce_gradients=processes.reduce_gradients(settings.reduction))}
         if accumulate:
             graphs["accumulate"] = self._replicas.trace_training(
@@ -300,7 +301,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                 inputs, self._training_flags, update=False, accumulated=True)
         graphs = {name: self._session.graph(name, graph)
                   for name, graph in graphs.items()}
-        zeros = settings.gradients.start(trainable) if accumulate else []
+        zeros = settings.gradients.start(trainable) if summed else []
         compiled = {name: self._session.compile(
             name, graph, step_donation(example, len(zeros),
                                        len(analysis.written_buffers),

@@ -1,19 +1,23 @@
 """Gradient sums accumulated where each gradient is computed.
 
-With gradient accumulation, a traced training step adds its micro-batch's
-gradients to the running sum in one ``_foreach_add_`` after the whole
-backward pass (``optimizers/gradient_reduction.py``), so every weight
+A traced training step adds its micro-batch's gradients to the running
+gradient buffer in one ``_foreach_add_`` after the whole backward pass (or,
+with one micro-batch per optimizer step, writes them into it with one
+``_foreach_copy_``; ``optimizers/gradient_reduction.py``), so every weight
 gradient of the model is alive at once and each is written, then read
 again. Torch's autograd instead adds each gradient into ``.grad`` as soon
 as it is computed. ``accumulate_where_computed`` gives the graph backend
 the same order, and goes one step further:
 
-* the list addition becomes one ``add_`` per gradient, placed right after
-  that gradient is computed (when nothing reads the running sum in
-  between), so a gradient's memory is released and reused at once;
+* the list operation becomes one ``add_`` (``copy_``) per gradient, placed
+  right after that gradient is computed (when nothing reads the buffer and
+  nothing is written in between), so a gradient's memory is released and
+  reused at once;
 * ``running += a @ b`` (a weight gradient of a linear layer, possibly
-  through transposes) becomes ``running.addmm_(a, b)``: the matrix product
-  adds into the sum, with no gradient tensor and no separate pass.
+  through transposes) becomes ``running.addmm_(a, b)``, and
+  ``running.copy_(a @ b)`` becomes ``torch.mm(a, b, out=running)``: the
+  matrix product writes into the buffer, with no gradient tensor and no
+  separate pass.
 
 The sum's value is the same up to floating-point rounding: ``addmm_``
 rounds ``running + a @ b`` once instead of rounding the product first.
@@ -27,6 +31,10 @@ Node = torch.fx.Node
 aten = torch.ops.aten
 
 _TRANSPOSES = (aten.t.default,)
+
+#: In-place list operation into the buffer -> its operation per tensor.
+_PER_TENSOR = {aten._foreach_add_.List: aten.add_.Tensor,
+               aten._foreach_copy_.default: aten.copy_.default}
 
 
 def _positions(graph: torch.fx.Graph):
@@ -48,12 +56,14 @@ def _writes(node: Node) -> bool:
         or node.target._schema.is_mutable)
 
 
-def _split_list_addition(graph: torch.fx.Graph, node: Node) -> None:
-    """One ``add_`` per tensor of an in-place list addition, each right
-    after its operands are ready, unless the sum is read or anything is
-    written in between (then at the list addition's place)."""
+def _split_list_operation(graph: torch.fx.Graph, node: Node) -> None:
+    """One ``add_`` (``copy_``) per tensor of an in-place list operation,
+    each right after its operands are ready, unless the buffer is read or
+    anything is written in between (then at the list operation's place)."""
     sums, terms = node.args[0], node.args[1]
-    alpha = node.kwargs.get("alpha", 1)
+    per_tensor = _PER_TENSOR[node.target]
+    keywords = ({"alpha": node.kwargs.get("alpha", 1)}
+                if per_tensor is aten.add_.Tensor else {})
     positions = _positions(graph)
     end = positions[node]
     writes = [positions[n] for n in graph.nodes
@@ -67,8 +77,7 @@ def _split_list_addition(graph: torch.fx.Graph, node: Node) -> None:
                 bisect.bisect_right(writes, start) < len(writes):
             anchor = node.prev
         with graph.inserting_after(anchor):
-            added = graph.call_function(aten.add_.Tensor, (total, term),
-                                        {"alpha": alpha})
+            added = graph.call_function(per_tensor, (total, term), keywords)
         added.meta["val"] = total.meta.get("val")
     graph.erase_node(node)
 
@@ -88,7 +97,8 @@ def _product_behind(term: Node) -> Optional[Tuple[Node, int]]:
 
 
 def _fuse_product(graph: torch.fx.Graph, added: Node) -> None:
-    """``total.add_(a @ b)`` -> ``total.addmm_(a, b)``."""
+    """``total.add_(a @ b)`` -> ``total.addmm_(a, b)``;
+    ``total.copy_(a @ b)`` -> ``torch.mm(a, b, out=total)``."""
     total, term = added.args[0], added.args[1]
     if not isinstance(term, Node) or total.op != "placeholder":
         return
@@ -110,9 +120,13 @@ def _fuse_product(graph: torch.fx.Graph, added: Node) -> None:
         if transposes % 2:
             left, right = (graph.call_function(aten.t.default, (right,)),
                            graph.call_function(aten.t.default, (left,)))
-        fused = graph.call_function(
-            aten.addmm_.default, (total, left, right),
-            {"alpha": added.kwargs.get("alpha", 1)})
+        if added.target is aten.copy_.default:
+            fused = graph.call_function(aten.mm.out, (left, right),
+                                        {"out": total})
+        else:
+            fused = graph.call_function(
+                aten.addmm_.default, (total, left, right),
+                {"alpha": added.kwargs.get("alpha", 1)})
     fused.meta["val"] = value
     added.replace_all_uses_with(fused)
     chain: List[Node] = [added]
@@ -126,14 +140,15 @@ def _fuse_product(graph: torch.fx.Graph, added: Node) -> None:
 
 
 def accumulate_where_computed(graph: torch.fx.Graph) -> None:
-    """Rewrite ``graph`` (in place) so that in-place list additions into the
-    step's inputs add each tensor as soon as it is computed, fusing matrix
-    products into them."""
+    """Rewrite ``graph`` (in place) so that in-place list additions (and
+    copies) into the step's inputs add (write) each tensor as soon as it is
+    computed, fusing matrix products into them."""
     for node in list(graph.nodes):
-        if node.op == "call_function" and \
-                node.target is aten._foreach_add_.List and not node.users \
+        if node.op == "call_function" and node.target in _PER_TENSOR \
+                and not node.users \
                 and all(total.op == "placeholder" for total in node.args[0]):
-            _split_list_addition(graph, node)
+            _split_list_operation(graph, node)
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is aten.add_.Tensor:
+        if node.op == "call_function" and node.target in (
+                aten.add_.Tensor, aten.copy_.default):
             _fuse_product(graph, node)

@@ -22,6 +22,10 @@ class Backend(abc.ABC):
 
     name: str
     keeps_executables: bool = False
+    #: Whether a training step of one micro-batch should still add its
+    #: gradients into the running gradient buffer that the device loop
+    #: keeps (zeroed for each step) rather than make new gradient tensors.
+    sums_gradients_in_buffer: bool = False
 
     @abc.abstractmethod
     def compile(self, graph: torch.fx.GraphModule,

@@ -2,10 +2,11 @@
 
 Nothing is compiled, so it costs nothing before the first step; each step
 dispatches the graph's tensor operations from the code FX generated for it,
-without autograd, module hooks or optimizer bookkeeping. Two rewrites of a
-copy of the graph make it do less memory traffic, as torch's eager
-training loop does: gradients are added to the running gradient sum as soon
-as they are computed (``accumulation.py``), and elementwise operations whose
+without autograd, module hooks or optimizer bookkeeping. Three rewrites of
+a copy of the graph make it move as little memory as torch's eager training
+loop: gradients are added to the running gradient sum as soon as they are
+computed (``accumulation.py``), the optimizer's scaled additions run as one
+operation each (``scaled_addition.py``), and elementwise operations whose
 first operand is dead afterwards (a tensor the step made, or an input the
 caller donates: the parameters and optimizer state a training step
 replaces) run in place (``in_place.py``).
@@ -17,10 +18,14 @@ import torch
 from .accumulation import accumulate_where_computed
 from .backend import Backend, CompiledStep, register
 from .in_place import Donation, reuse_dead_tensors
+from .scaled_addition import fuse_scaled_additions
 
 
 class GraphBackend(Backend):
     name = "graph"
+    #: New tensors as large as the weights cost page faults on every step;
+    #: products added into the reused buffer (``accumulation.py``) do not.
+    sums_gradients_in_buffer = True
 
     def compile(self, graph: torch.fx.GraphModule,
                 example_inputs: List[torch.Tensor],
@@ -28,6 +33,7 @@ class GraphBackend(Backend):
         rewritten = torch.fx.Graph()
         rewritten.output(rewritten.graph_copy(graph.graph, {}))
         accumulate_where_computed(rewritten)
+        fuse_scaled_additions(rewritten)
         reuse_dead_tensors(rewritten, donation or Donation({}))
         return torch.fx.GraphModule(graph, rewritten)
 

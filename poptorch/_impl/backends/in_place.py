@@ -69,13 +69,14 @@ def _in_place_variant(target) -> Optional[torch._ops.OpOverload]:
     return variant
 
 
-def _returns_alias(node: Node) -> Optional[Tuple[int, bool]]:
+def _returns_alias(node: Node) -> Optional[Tuple[object, bool]]:
     """For an operator node whose result aliases one of its arguments, that
-    argument's position and whether the result is the whole argument (an
-    in-place operation returns its operand; a view may be a part of it)."""
+    argument's value and whether the result is the whole argument (an
+    in-place or ``out=`` operation returns its operand; a view may be a part
+    of it)."""
     target = node.target
     if target is torch.ops.aten._unsafe_view.default:
-        return 0, False
+        return node.args[0], False
     if not isinstance(target, torch._ops.OpOverload):
         return None
     returns = target._schema.returns
@@ -85,7 +86,9 @@ def _returns_alias(node: Node) -> Optional[Tuple[int, bool]]:
     for index, argument in enumerate(target._schema.arguments):
         info = argument.alias_info
         if info is not None and info.before_set & alias_set:
-            return index, info.is_write
+            value = (node.args[index] if index < len(node.args)
+                     else node.kwargs.get(argument.name))
+            return value, info.is_write
     return None
 
 
@@ -111,23 +114,22 @@ class _Storage:
         root, whole = node, True
         if node.op == "call_function":
             aliased = _returns_alias(node)
-            if aliased is not None and aliased[0] < len(node.args) and \
-                    isinstance(node.args[aliased[0]], Node):
-                argument = node.args[aliased[0]]
-                root = self.root[argument]
-                whole = aliased[1] and argument in self.whole
-            elif node.target is operator.getitem:
+            if node.target is operator.getitem:
                 parent = node.args[0]
                 if _allocates_list(parent):
                     self.writable.add(node)
                 else:
                     root, whole = self.root[parent], False
+            elif aliased is not None and isinstance(aliased[0], Node):
+                argument = aliased[0]
+                root = self.root[argument]
+                whole = aliased[1] and argument in self.whole
+            elif aliased is not None or _may_alias_untracked(node):
+                self.pinned.update(self.root[arg]
+                                   for arg in node.all_input_nodes)
             elif _in_place_variant(node.target) is not None and \
                     not isinstance(node.meta.get("val"), (list, tuple)):
                 self.writable.add(node)
-            elif _may_alias_untracked(node):
-                self.pinned.update(self.root[arg]
-                                   for arg in node.all_input_nodes)
         self.root[node] = root
         if whole:
             self.whole.add(node)

@@ -109,10 +109,15 @@ class GradientReduction:
 
     def add(self, running: List[Tensor], grads: List[Tensor]) -> List[Tensor]:
         """The buffer after one more micro-batch's ``grads``. A sum is added
-        in place (the device loop gives each optimizer step a fresh buffer),
-        as torch accumulates ``.grad``; a running mean is computed anew."""
+        in place (the device loop zeroes the buffer for each optimizer
+        step), as torch accumulates ``.grad``; with one micro-batch per step
+        the gradients are written into it; a running mean is computed
+        anew."""
         buffers = running[:len(grads)]
         grads = cast(grads, [b.dtype for b in buffers])
+        if not self.accumulates:
+            torch._foreach_copy_(buffers, grads)
+            return buffers
         if not self.keeps_running_mean:
             torch._foreach_add_(buffers, grads)
             return buffers
