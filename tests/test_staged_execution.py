@@ -650,3 +650,48 @@ def test_stages_in_processes_refuse_what_needs_every_gradient(settings):
         staged_execution._check_training(
             staged._settings, [torch.zeros(1)], staged._staged,
             processes=True, param_names=staged._param_names)
+
+
+class ReturnsItsWeight(torch.nn.Module):
+    """Two blocks; the last one returns a view of a weight that the
+    optimizer updates in place after each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("A", ipu_id=0):
+            h = torch.relu(self.fc1(x))
+        with poptorch.Block("B", ipu_id=1):
+            out = self.fc2(h)
+            loss = torch.nn.functional.cross_entropy(out, y)
+            return self.fc2.weight.t(), loss
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+def test_outputs_keep_the_weights_of_their_step(strategy):
+    torch.manual_seed(0)
+    net = ReturnsItsWeight()
+    twin = copy.deepcopy(net)
+    opts = options(ITERATIONS, 3)
+    opts.setExecutionStrategy(ANY_BLOCKS[strategy]())
+    opts.outputMode(poptorch.OutputMode.All)
+    model = poptorch.trainingModel(
+        net, opts, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    x, y = make_data(ITERATIONS * 3 * 2, seed=1)
+    weights, _ = model(x, y)
+    for step in range(ITERATIONS):
+        expected = twin.fc2.weight.detach().t().clone()
+        for micro in range(3):
+            index = step * 3 + micro
+            close(weights[index * 8:(index + 1) * 8], expected)
+        reference.zero_grad()
+        for micro in range(3):
+            rows = slice((step * 3 + micro) * 2, (step * 3 + micro + 1) * 2)
+            (twin(x[rows], y[rows])[1] / 3).backward()
+        reference.step()
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin, atol=1e-6)

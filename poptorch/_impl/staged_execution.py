@@ -9,8 +9,10 @@ Training runs, for each of the call's D iterations, the forward and backward
 passes of the G x R micro-batches (autograd sums their gradients into the
 parameters' ``.grad``), then one optimizer step: the same pure update as the
 single-graph path (``training_step.trace_update_step``), so optimizers,
-loss scaling, clipping and the Sum/Mean reductions mean the same here. The
-results equal those of the unannotated model within float tolerance.
+loss scaling, clipping and the Sum/Mean reductions mean the same here; the
+graph backend runs it, writing the new weights and optimizer state into the
+old tensors (``backends/in_place.py``). The results equal those of the
+unannotated model within float tolerance.
 
 In an n-process run, a training model runs one stage per process
 (``distributed/pipeline_processes.py``).
@@ -27,12 +29,13 @@ automatic loss scaling, ``max_grad_norm`` and weights shared between
 stages. The stage graphs run as captured graphs under autograd, with every
 backend.
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..enums import ReductionType
 from ..errors import Error
+from .backends import get_backend
 from .batching import BatchLayout, micro_batch
 from .device_loop import TrainingState
 from .distributed.pipeline_processes import PipelineProcesses
@@ -42,7 +45,8 @@ from .pipeline import PipelineSchedule
 from .sequential_stages import SequentialSchedule
 from .stages import StagedGraph, StageModule, StageState
 from .strategies import PipelinedExecution, _PhasedExecution
-from .training_step import (StepSettings, TrainingLayout, trace_update_step)
+from .training_step import (StepSettings, TrainingLayout, trace_update_step,
+                            update_donation)
 
 
 def _what(stages: int) -> str:
@@ -157,7 +161,9 @@ class StagedExecution:
         pipeline."""
         _check_training(settings, example["trainable"], self._staged,
                         processes is not None, self._param_names)
-        self._update = trace_update_step(layout, settings, example)
+        self._update = get_backend("graph").compile(
+            trace_update_step(layout, settings, example), [],
+            update_donation(example))
         self._training_layout = layout
         self._settings = settings
         self._processes = processes
@@ -168,14 +174,20 @@ class StagedExecution:
 
     def _collect(self, collector: OutputCollector,
                  positions: List[Tuple[int, int, int]],
-                 layout: BatchLayout) -> None:
+                 layout: BatchLayout,
+                 weights: Sequence[torch.Tensor] = ()) -> None:
         """Hand the outputs of the micro-batches at ``positions``
-        (iteration, step, replica) to the collector."""
+        (iteration, step, replica) to the collector; outputs that share
+        memory with ``weights``, which the update then overwrites, are
+        copied."""
         recorded = self._last.recorded
         if self._processes is not None:
             recorded = self._processes.share_outputs(
                 recorded, self._staged.output_metas, len(positions),
                 self._device)
+        storages = {w.untyped_storage().data_ptr() for w in weights}
+        recorded = [[t.clone() if t.untyped_storage().data_ptr() in storages
+                     else t for t in outputs] for outputs in recorded]
         for (iteration, step, replica), outputs in zip(positions, recorded):
             collector.add(iteration * layout.gradient_accumulation + step,
                           replica, outputs)
@@ -217,11 +229,11 @@ class StagedExecution:
                     lambda loss: scaling.scale_loss(loss, factor))
             grads = self._view.gradients(training.trainable)
             self._reduce_over_pipelines(grads)
+            self._collect(collector, positions, layout, state.trainable)
             result = self._update(*state.trainable, *grads, *state.optimizer,
                                   *state.hyper)
             state.trainable = list(result[:len(state.trainable)])
             state.optimizer = list(result[len(state.trainable):])
-            self._collect(collector, positions, layout)
         if self._processes is not None:
             self._processes.broadcast_from_owners(self._owned(state))
         self._view.rebind(training.merge(state.trainable, state.frozen), state.buffer_sets[0])

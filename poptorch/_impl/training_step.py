@@ -320,3 +320,13 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
     grads = [torch.zeros_like(t) for t in trainable]
     return trace(update, trainable + grads + example["state"] +
                  example["hyper"])
+
+
+def update_donation(example: Dict[str, List[torch.Tensor]]) -> Donation:
+    """The inputs of ``trace_update_step``'s graph that the caller drops
+    after it: the trainable parameters and the optimizer state, replaced by
+    the outputs, and the gradients (scratch)."""
+    trainable, state = len(example["trainable"]), len(example["state"])
+    replaced = {i: i for i in range(trainable)}
+    replaced.update({2 * trainable + k: trainable + k for k in range(state)})
+    return Donation(replaced, frozenset(range(trainable, 2 * trainable)))
