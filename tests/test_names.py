@@ -141,3 +141,29 @@ def test_anchors_need_a_single_replica():
     with pytest.raises(poptorch.Error, match="only available with "
                        r"replicationFactor\(1\), got 2"):
         model(torch.randn(2, 4))
+
+
+class TwoStagesOfTanh(torch.nn.Module):
+    """The same unscoped operation in two stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 4)
+        self.fc2 = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        with poptorch.Block("A", ipu_id=0):
+            h = torch.tanh(self.fc1(x))
+        with poptorch.Block("B", ipu_id=1):
+            return torch.tanh(self.fc2(h))
+
+
+def test_names_of_several_stages_are_unique():
+    torch.manual_seed(0)
+    opts = poptorch.Options().deviceIterations(2)
+    opts.setExecutionStrategy(poptorch.ShardedExecution("A", "B"))
+    model = poptorch.inferenceModel(TwoStagesOfTanh(), opts)
+    model(torch.randn(4, 4))
+    names = model.getTensorNames()
+    assert "tanh" in names and "tanh_1" in names
+    assert len(names) == len(set(names))

@@ -5,7 +5,7 @@ tensor names and anchored tensors, and the timings of the last call.
 ``PoplarExecutor`` inherits them; they work on its compiled state through
 ``serialization/export.py``, ``names.py`` and ``perf_counters.py``.
 """
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 
@@ -83,9 +83,11 @@ class CompiledExecutionMethods:
         of the step that applies the optimizer update."""
         self._require_compiled("getTensorNames")
         if self._staged is not None:
+            used: Set[str] = set()
             return [name for graph in self._staged.graphs()
                     for name in tensor_names(graph,
-                                             self._options.module_namescope)]
+                                             self._options.module_namescope,
+                                             used)]
         graphs = self._session.graphs
         graph = graphs.get("inference", graphs.get("update"))
         return list(tensor_names(graph, self._options.module_namescope))

@@ -27,7 +27,7 @@ call's value.
 import contextlib
 import difflib
 import operator
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -94,13 +94,15 @@ def _operation_name(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def tensor_names(graph: torch.fx.GraphModule,
-                 module_namescope: bool = True) -> Dict[str, torch.fx.Node]:
+def tensor_names(graph: torch.fx.GraphModule, module_namescope: bool = True,
+                 used: Optional[Set[str]] = None) -> Dict[str, torch.fx.Node]:
     """Name -> node of every tensor an operation of ``graph`` produces, in
-    the order the operations run."""
+    the order the operations run. ``used``: names already given (by the
+    graphs of earlier stages), which this graph's names must not repeat;
+    it receives this graph's names."""
     names: Dict[str, torch.fx.Node] = {}
     of_node: Dict[torch.fx.Node, str] = {}
-    used = set()
+    used = set() if used is None else used
     for node in graph.graph.nodes:
         if node.op != "call_function":
             continue
