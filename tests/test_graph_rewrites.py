@@ -12,6 +12,7 @@ import poptorch
 from conftest import assert_same_weights, make_data, options
 from poptorch._impl.backends.accumulation import accumulate_where_computed
 from poptorch._impl.backends.in_place import Donation, reuse_dead_tensors
+from poptorch._impl.backends.linear_layers import fuse_linear_layers
 from poptorch._impl.backends.scaled_addition import fuse_scaled_additions
 
 aten = torch.ops.aten
@@ -26,6 +27,7 @@ def _rewritten(graph_module, donation=Donation({}), accumulate=False):
     graph.output(graph.graph_copy(graph_module.graph, {}))
     if accumulate:
         accumulate_where_computed(graph)
+    fuse_linear_layers(graph)
     fuse_scaled_additions(graph)
     reuse_dead_tensors(graph, donation)
     return torch.fx.GraphModule(graph_module, graph)
@@ -184,6 +186,22 @@ def test_a_product_read_elsewhere_is_kept():
     expected, result, _, graph = _run_both(fn, inputs, Donation({0: 0}))
     torch.testing.assert_close(result, expected, rtol=0, atol=0)
     assert aten._foreach_mul.Scalar in _targets(graph)
+
+
+def test_a_linear_layer_under_vmap_adds_its_bias_in_the_product():
+    def fn(x, w, b):
+        linear = torch.func.vmap(torch.nn.functional.linear,
+                                 in_dims=(0, None, None))
+        return [torch.relu(linear(x, w, b))]
+
+    inputs = [torch.randn(4, 3, 6), torch.randn(5, 6), torch.randn(5)]
+    expected, result, given, graph = _run_both(fn, inputs)
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-6)
+    targets = _targets(graph)
+    assert aten.addmm.default in targets and aten.mm.default not in targets
+    assert aten.relu_.default in targets
+    for before, after in zip(inputs, given):
+        assert torch.equal(before, after)
 
 
 def _accumulate(running, a, b, bias_grad):

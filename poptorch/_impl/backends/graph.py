@@ -2,11 +2,13 @@
 
 Nothing is compiled, so it costs nothing before the first step; each step
 dispatches the graph's tensor operations from the code FX generated for it,
-without autograd, module hooks or optimizer bookkeeping. Three rewrites of
-a copy of the graph make it move as little memory as torch's eager training
+without autograd, module hooks or optimizer bookkeeping. Rewrites of a
+copy of the graph make it move as little memory as torch's eager training
 loop: gradients are added to the running gradient sum as soon as they are
-computed (``accumulation.py``), the optimizer's scaled additions run as one
-operation each (``scaled_addition.py``), and elementwise operations whose
+computed (``accumulation.py``), linear layers traced under vmap get their
+bias added by the matrix product again (``linear_layers.py``), the
+optimizer's scaled additions run as one operation each
+(``scaled_addition.py``), and elementwise operations whose
 first operand is dead afterwards (a tensor the step made, or an input the
 caller donates: the parameters and optimizer state a training step
 replaces) run in place (``in_place.py``).
@@ -18,6 +20,7 @@ import torch
 from .accumulation import accumulate_where_computed
 from .backend import Backend, CompiledStep, register
 from .in_place import Donation, reuse_dead_tensors
+from .linear_layers import fuse_linear_layers
 from .scaled_addition import fuse_scaled_additions
 
 
@@ -33,6 +36,7 @@ class GraphBackend(Backend):
         rewritten = torch.fx.Graph()
         rewritten.output(rewritten.graph_copy(graph.graph, {}))
         accumulate_where_computed(rewritten)
+        fuse_linear_layers(rewritten)
         fuse_scaled_additions(rewritten)
         reuse_dead_tensors(rewritten, donation or Donation({}))
         return torch.fx.GraphModule(graph, rewritten)

@@ -14,9 +14,13 @@ the running gradient buffer it starts afresh each optimizer step): it
 *donates* them. ``reuse_dead_tensors`` rewrites a graph so that an
 elementwise operation (one tagged ``pointwise``, or a ``_foreach_`` list
 operation) whose first operand is dead afterwards runs in place on that
-operand when the operand is a tensor the graph made or a donated input,
-has the result's shape, stride and dtype, and no other operand overlaps it
-partially. Values are unchanged: only where they are stored changes.
+operand when the operand is a new tensor the graph made (all of it,
+possibly reshaped) or a donated input, has the result's shape, stride and
+dtype, and no other operand overlaps it partially. Values are unchanged:
+only where they are stored changes. An operator's result is taken to be a
+new tensor unless its schema says it aliases an argument, as torch
+requires of every operator (``torch.library.custom_op`` refuses results
+that alias inputs).
 
 Guarantees for the caller, who feeds outputs back as the next step's
 inputs:
@@ -123,13 +127,13 @@ class _Storage:
             elif aliased is not None and isinstance(aliased[0], Node):
                 argument = aliased[0]
                 root = self.root[argument]
-                whole = aliased[1] and argument in self.whole
+                whole = argument in self.whole and (
+                    aliased[1] or _reshapes_all_of(node, argument))
             elif aliased is not None or _may_alias_untracked(node):
                 self.pinned.update(self.root[arg]
                                    for arg in node.all_input_nodes)
-            elif _in_place_variant(node.target) is not None and \
-                    not isinstance(node.meta.get("val"), (list, tuple)):
-                self.writable.add(node)
+            elif isinstance(node.meta.get("val"), torch.Tensor):
+                self.writable.add(node)     # a new tensor
         self.root[node] = root
         if whole:
             self.whole.add(node)
@@ -148,6 +152,19 @@ class _Storage:
                     for user in alias.users), default=-1)
 
 
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _reshapes_all_of(node: Node, argument: Node) -> bool:
+    """Whether ``node`` is a view of all of the contiguous ``argument`` in
+    another shape."""
+    value, result = argument.meta.get("val"), node.meta.get("val")
+    return (node.target in _RESHAPES and isinstance(value, torch.Tensor)
+            and isinstance(result, torch.Tensor)
+            and value.is_contiguous() and result.is_contiguous()
+            and value.numel() == result.numel())
+
+
 def _may_alias_untracked(node: Node) -> bool:
     """Whether a result of ``node`` may share storage with an argument in a
     way ``_returns_alias`` does not follow (several returns, one of them an
@@ -161,9 +178,12 @@ def _may_alias_untracked(node: Node) -> bool:
 
 
 def _allocates_list(node: Node) -> bool:
-    """A ``_foreach_`` operation returning fresh tensors."""
+    """An operator returning several new tensors (a ``_foreach_``
+    operation, or one with several results)."""
     return (isinstance(node, Node) and node.op == "call_function"
-            and _in_place_variant(node.target) is not None
+            and isinstance(node.target, torch._ops.OpOverload)
+            and all(r.alias_info is None
+                    for r in node.target._schema.returns)
             and isinstance(node.meta.get("val"), (list, tuple)))
 
 
