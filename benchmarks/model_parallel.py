@@ -101,7 +101,7 @@ and a 2-stage pipeline over 2 processes.
    the gradients of the module's positional inputs are ready, which for
    the first stage, whose inputs need none, is at once); and what the call
    spends outside the schedule steps: the input check across the
-   processes, the optimizer step (each process updates every parameter),
+   processes, the optimizer step (each process updates its stage's weights),
    sharing the last stage's outputs with the other process and, once per
    call, broadcasting each stage's weights and optimizer state.
 

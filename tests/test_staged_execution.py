@@ -695,3 +695,51 @@ def test_outputs_keep_the_weights_of_their_step(strategy):
         reference.step()
     model.copyWeightsToHost()
     assert_same_weights(net, twin, atol=1e-6)
+
+
+def _state_copy(state):
+    from poptorch._impl.device_loop import TrainingState
+    return TrainingState([t.clone() for t in state.trainable], [], [[]],
+                         [t.clone() for t in state.optimizer],
+                         list(state.hyper))
+
+
+def test_a_partial_update_equals_the_full_one_on_its_weights():
+    """A pipeline process updates only its stage's weights: with two param
+    groups of Adam, the update of some positions gives them what the
+    update of all gives them and leaves the others alone."""
+    from poptorch._impl.device_loop import TrainingState
+    torch.manual_seed(0)
+    net = FourBlocks()
+    optimizer = torch.optim.Adam(
+        [{"params": list(net.fc1.parameters()) + list(net.fc3.parameters()),
+          "lr": 0.01},
+         {"params": list(net.fc2.parameters()) + list(net.fc4.parameters()),
+          "lr": 0.002}])
+    opts = options(ITERATIONS, ACCUMULATION)
+    opts.setExecutionStrategy(poptorch.ShardedExecution("A", "B", "C", "D"))
+    model = poptorch.trainingModel(net, opts, optimizer)
+    model(*make_data(ROWS))
+    staged, layout = model._staged, model._staged._training_layout
+    state = TrainingState(
+        [model._state.params[i] for i in layout.trainable], [], [[]],
+        list(model._state.optimizer), list(model._hyper))
+    example = {"trainable": state.trainable, "state": state.optimizer,
+               "hyper": state.hyper}
+    grads = [torch.randn_like(t) for t in state.trainable]
+    everything = list(range(len(state.trainable)))
+    some = [1, 2, 5]
+    full, part = _state_copy(state), _state_copy(state)
+    staged_execution._PartialUpdate(layout, staged._settings, example,
+                                    everything)(full, [g.clone() for g in grads])
+    staged_execution._PartialUpdate(layout, staged._settings, example,
+                                    some)(part, [g.clone() for g in grads])
+    state_of = layout.state_indices()
+    for position in everything:
+        expected = full if position in some else state
+        close(part.trainable[position], expected.trainable[position])
+        for index in state_of[position]:
+            close(part.optimizer[index], expected.optimizer[index])
+    changed = [p for p in everything
+               if not torch.equal(full.trainable[p], state.trainable[p])]
+    assert changed == everything

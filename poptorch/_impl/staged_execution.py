@@ -15,7 +15,8 @@ old tensors (``backends/in_place.py``). The results equal those of the
 unannotated model within float tolerance.
 
 In an n-process run, a training model runs one stage per process
-(``distributed/pipeline_processes.py``).
+(``distributed/pipeline_processes.py``); each process updates its stage's
+weights and receives the others' from their owners after each call.
 
 With R replicas in one process, the G x R micro-batches of a step all go
 through the stages and share one update (replicas hold identical weights).
@@ -161,9 +162,9 @@ class StagedExecution:
         pipeline."""
         _check_training(settings, example["trainable"], self._staged,
                         processes is not None, self._param_names)
-        self._update = get_backend("graph").compile(
-            trace_update_step(layout, settings, example), [],
-            update_donation(example))
+        self._update = _PartialUpdate(
+            layout, settings, example,
+            self._owned_positions(layout, processes))
         self._training_layout = layout
         self._settings = settings
         self._processes = processes
@@ -230,10 +231,7 @@ class StagedExecution:
             grads = self._view.gradients(training.trainable)
             self._reduce_over_pipelines(grads)
             self._collect(collector, positions, layout, state.trainable)
-            result = self._update(*state.trainable, *grads, *state.optimizer,
-                                  *state.hyper)
-            state.trainable = list(result[:len(state.trainable)])
-            state.optimizer = list(result[len(state.trainable):])
+            self._update(state, grads)
         if self._processes is not None:
             self._processes.broadcast_from_owners(self._owned(state))
         self._view.rebind(training.merge(state.trainable, state.frozen), state.buffer_sets[0])
@@ -246,6 +244,17 @@ class StagedExecution:
                 if self._processes.stage in self._owners[index]]
         self._processes.reduce_gradients_(
             mine, self._settings.reduction == ReductionType.Mean)
+
+    def _owned_positions(self, layout: TrainingLayout,
+                         processes: Optional[PipelineProcesses]) -> List[int]:
+        """The trainable positions this process updates: all of them in one
+        process; in a multi-process pipeline, its stage's (the others come
+        from their owners after each call, and its stage never reads
+        them)."""
+        if processes is None:
+            return list(range(len(layout.trainable)))
+        return [position for position, index in enumerate(layout.trainable)
+                if processes.stage in self._owners[index]]
 
     def _owned(self, state: TrainingState) -> List[List[torch.Tensor]]:
         """Per stage, the trained weights, optimizer state and written
@@ -260,6 +269,50 @@ class StagedExecution:
         for stage, written in enumerate(self._staged.buffer_writers()):
             owned[stage].extend(state.buffer_sets[0][i] for i in written)
         return owned
+
+
+class _PartialUpdate:
+    """The optimizer step of some trainable positions: the captured update
+    of their restricted layout, run by the graph backend, which writes the
+    new weights and optimizer state into the old tensors
+    (``backends/in_place.py``)."""
+
+    def __init__(self, layout: TrainingLayout, settings: StepSettings,
+                 example: Dict[str, List[torch.Tensor]],
+                 positions: List[int]) -> None:
+        part, self._state, self._hyper = layout.restricted(positions)
+        self._positions = positions
+        self._state_tail = layout.state_size()
+        self._hyper_tail = layout.hyper_size()
+        example = {"trainable": [example["trainable"][p] for p in positions],
+                   "state": self._state_of(example["state"]),
+                   "hyper": self._hyper_of(example["hyper"])}
+        self._step = get_backend("graph").compile(
+            trace_update_step(part, settings, example), [],
+            update_donation(example))
+
+    def _state_of(self, flat: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [flat[i] for i in self._state] + flat[self._state_tail:]
+
+    def _hyper_of(self, flat: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [flat[i] for i in self._hyper] + flat[self._hyper_tail:]
+
+    def __call__(self, state: TrainingState,
+                 grads: List[torch.Tensor]) -> None:
+        """Update ``state`` (trainable weights, optimizer state) with the
+        step's summed ``grads`` (all trainable positions)."""
+        params = [state.trainable[p] for p in self._positions]
+        result = self._step(*params, *[grads[p] for p in self._positions],
+                            *self._state_of(state.optimizer),
+                            *self._hyper_of(state.hyper))
+        trainable, optimizer = list(state.trainable), list(state.optimizer)
+        for position, tensor in zip(self._positions, result):
+            trainable[position] = tensor
+        new_state = result[len(params):]
+        indices = self._state + list(range(self._state_tail, len(optimizer)))
+        for index, tensor in zip(indices, new_state):
+            optimizer[index] = tensor
+        state.trainable, state.optimizer = trainable, optimizer
 
 
 def _stacked(inputs: List[torch.Tensor],

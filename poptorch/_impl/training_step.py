@@ -20,7 +20,7 @@ and clipping are in ``optimizers/global_attributes.py``.
 """
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -149,6 +149,32 @@ class TrainingLayout:
                     indices.setdefault(position, []).append(index)
                     index += 1
         return indices
+
+    def restricted(self, positions: Sequence[int]
+                   ) -> Tuple["TrainingLayout", List[int], List[int]]:
+        """The layout of the trainable ``positions`` alone, with the indices
+        of their entries in this layout's flat optimizer state and of their
+        groups' entries in its param-group hyper-parameters."""
+        kept = set(positions)
+        order = {p: i for i, p in enumerate(sorted(kept))}
+        groups, state, hyper = [], [], []
+        state_start, hyper_start = 0, 0
+        for group in self.groups:
+            mine = [j for j, p in enumerate(group.positions) if p in kept]
+            for name_index in range(len(group.rule.state_names)):
+                state.extend(state_start + name_index * len(group.positions)
+                             + j for j in mine)
+            state_start += len(group.rule.state_names) * len(group.positions)
+            if mine:
+                hyper.extend(range(hyper_start,
+                                   hyper_start + len(group.variable_hyper)))
+                groups.append(dataclasses.replace(
+                    group, positions=[order[group.positions[j]]
+                                      for j in mine]))
+            hyper_start += len(group.variable_hyper)
+        trainable = [self.trainable[p] for p in sorted(kept)]
+        frozen = sorted(set(self.frozen) | set(self.trainable) - set(trainable))
+        return TrainingLayout(trainable, frozen, groups), state, hyper
 
     def unflatten_state(self, flat: Sequence[torch.Tensor]
                         ) -> List[Dict[str, List[torch.Tensor]]]:
