@@ -23,6 +23,7 @@ The sum's value is the same up to floating-point rounding: ``addmm_``
 rounds ``running + a @ b`` once instead of rounding the product first.
 """
 import bisect
+import operator
 from typing import List, Optional, Tuple
 
 import torch
@@ -50,10 +51,12 @@ def _read_between(tensor: Node, start: int, end: int, positions,
 
 
 def _writes(node: Node) -> bool:
-    """Whether ``node`` may write to a tensor."""
-    return node.op == "call_function" and (
-        not isinstance(node.target, torch._ops.OpOverload)
-        or node.target._schema.is_mutable)
+    """Whether ``node`` may write to a tensor (taking the element of a
+    result list does not)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    return (not isinstance(node.target, torch._ops.OpOverload)
+            or node.target._schema.is_mutable)
 
 
 def _split_list_operation(graph: torch.fx.Graph, node: Node) -> None:
