@@ -33,6 +33,10 @@ class CountingBackend(backend_module.Backend):
         self.compiles = 0
         self.loads = 0
         self.refuse_loads = False
+        self.settings = ""
+
+    def settings_fingerprint(self):
+        return self.settings
 
     def compile(self, graph, example_inputs, donation=None):
         self.compiles += 1
@@ -92,6 +96,18 @@ def test_second_compilation_loads_the_stored_step(counting, tmp_path):
     assert counting.compiles == 1 and counting.loads == 1
     assert torch.equal(first, second)
     assert torch.equal(second, _losses(_reference()))
+
+
+def test_the_backends_own_settings_are_part_of_the_key(counting, tmp_path):
+    counting.settings = "cpp_wrapper=False"
+    _losses(_model(tmp_path))
+    counting.settings = "cpp_wrapper=True"
+    _losses(_model(tmp_path))
+    assert counting.compiles == 2 and counting.loads == 0
+    assert len(_entries(tmp_path)) == 2
+    counting.settings = "cpp_wrapper=False"
+    _losses(_model(tmp_path))
+    assert counting.compiles == 2 and counting.loads == 1
 
 
 def test_weights_and_hyper_parameters_are_inputs_not_part_of_the_key(

@@ -4,9 +4,11 @@
 Each compiled step of a backend that keeps executables (``inductor``) is
 stored under a key that covers everything that changes the executable: the
 captured graph itself (its operations, arguments and constant values), the
-shapes, strides and dtypes of its inputs, the backend, the options that
-affect compilation, the poptorch, torch and Python versions and the device
-(type and, for CUDA, the GPU's name and compute capability). A later
+shapes, strides and dtypes of its inputs, the backend and its own
+configuration (Inductor's ``torch._inductor.config``, as its
+``TORCHINDUCTOR_*`` environment variables set it), the options that affect
+compilation, the poptorch, torch and Python versions and the device (type
+and, for CUDA, the GPU's name and compute capability). A later
 compilation of the same step, in this process or another, loads it instead
 of compiling.
 
@@ -167,6 +169,9 @@ def compile_cached(cache: Optional[ExecutableCache], backend: Backend,
     the step's ``executable_key``."""
     if cache is None or not backend.keeps_executables:
         return backend.compile(graph, example_inputs, donation)
+    settings = backend.settings_fingerprint()
+    if settings:
+        key = hashlib.sha256(f"{key}/{settings}".encode()).hexdigest()
     with backend.storage(cache.backend_directory):
         step = _load_entry(cache, backend, key)
         if step is not None:

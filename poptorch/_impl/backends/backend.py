@@ -35,6 +35,12 @@ class Backend(abc.ABC):
         ``donation`` names the inputs whose old values the caller drops
         after a call (``in_place.py``); a backend may overwrite them."""
 
+    def settings_fingerprint(self) -> str:
+        """What else decides the executables this backend makes (its own
+        configuration in this process), as text; the executable cache keeps
+        an entry per value."""
+        return ""
+
     def serialize(self, step: CompiledStep,
                   portable: bool = False) -> Optional[bytes]:
         """The compiled step as bytes, or None when there is nothing worth

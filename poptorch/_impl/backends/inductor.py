@@ -17,7 +17,9 @@ backend pays off for long runs; the executable cache and exported files
 keep the result.
 """
 import contextlib
+import hashlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +63,15 @@ class InductorBackend(Backend):
                                       dynamic_shapes="from_example_inputs",
                                       aot=True)
         return InductorStep(artifact)
+
+    def settings_fingerprint(self) -> str:
+        """Inductor's configuration (``torch._inductor.config``, which its
+        ``TORCHINDUCTOR_*`` environment variables set), without the values
+        that do not travel between processes."""
+        from torch._inductor import config
+        settings = json.dumps(config.save_config_portable(), sort_keys=True,
+                              default=repr)
+        return hashlib.sha256(settings.encode()).hexdigest()
 
     def serialize(self, step: CompiledStep,
                   portable: bool = False) -> Optional[bytes]:
