@@ -3,6 +3,7 @@
 like plain PyTorch over the same micro-batches, recomputation checkpoints cut
 a stage into segments that keep fewer tensors for the backward pass, and what
 several stages cannot run yet is an error at compilation."""
+import contextlib
 import copy
 import functools
 
@@ -439,17 +440,10 @@ def _sgd(net):
     return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 
 
-def _running_mean_options():
-    opts = options(1, ACCUMULATION)
+def _running_mean_options(**extra):
+    opts = options(1, ACCUMULATION, **extra)
     opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
         poptorch.MeanReductionStrategy.Running)
-    return opts
-
-
-def _explicit_post_options():
-    opts = options(1, ACCUMULATION)
-    opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
-        poptorch.MeanReductionStrategy.Post)
     return opts
 
 
@@ -471,19 +465,17 @@ ERRORS = {
         _sgd, 2 * ACCUMULATION * BATCH,
         "4 stages, and replicationFactor is 2 with broadcastBuffers.False.: "
         "replicas keeping their own buffers are not available"),
-    "running-mean": (
-        FourBlocks, _running_mean_options, _sgd, ACCUMULATION * BATCH,
-        "4 stages, and the gradient reduction is "
-        "MeanReductionStrategy.Running"),
+    "running-mean-with-shared-weights": (
+        Crossing, lambda: _running_mean_options(setExecutionStrategy=(
+            poptorch.ShardedExecution()), autoRoundNumIPUs=True),
+        _sgd, ACCUMULATION * BATCH,
+        "3 stages, and the gradient reduction is "
+        r"MeanReductionStrategy.Running: parameter\(s\) fc2.weight, "
+        "fc2.bias are used by several stages"),
     "anchored-tensor": (
         FourBlocks, lambda: options(1, ACCUMULATION, anchorTensor=(
             "hidden", "fc2/Tanh")), _sgd, ACCUMULATION * BATCH,
         "4 stages, and tensors are anchored: anchorTensor is not available"),
-    "float16-accum-type": (
-        FourBlocks, _explicit_post_options,
-        lambda net: poptorch.optim.SGD(net.parameters(), lr=0.1,
-                                       accum_type=torch.float16),
-        ACCUMULATION * BATCH, "the optimizer's accum_type is torch.float16"),
 }
 
 
@@ -622,8 +614,8 @@ def _processes_refuse(net, optimizer, message):
     staged = model._staged
     with pytest.raises(poptorch.Error, match=message):
         staged_execution._check_training(
-            staged._settings, [torch.zeros(1)], staged._staged,
-            processes=True, param_names=staged._param_names)
+            staged._settings, staged._staged, processes=True,
+            param_names=staged._param_names)
 
 
 def test_stages_in_processes_refuse_weights_shared_between_stages():
@@ -648,8 +640,8 @@ def test_stages_in_processes_refuse_what_needs_every_gradient(settings):
     with pytest.raises(poptorch.Error,
                        match="automatic loss scaling and max_grad_norm"):
         staged_execution._check_training(
-            staged._settings, [torch.zeros(1)], staged._staged,
-            processes=True, param_names=staged._param_names)
+            staged._settings, staged._staged, processes=True,
+            param_names=staged._param_names)
 
 
 class ReturnsItsWeight(torch.nn.Module):
@@ -743,3 +735,66 @@ def test_a_partial_update_equals_the_full_one_on_its_weights():
     changed = [p for p in everything
                if not torch.equal(full.trainable[p], state.trainable[p])]
     assert changed == everything
+
+
+# --- gradients combined per micro-batch ----------------------------------------
+
+class MaybeBlocks(torch.nn.Module):
+    """Two blocks, or with ``annotate=False`` the same model without blocks
+    (one captured graph)."""
+
+    def __init__(self, annotate=True):
+        super().__init__()
+        self.annotate = annotate
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("A", ipu_id=0) if self.annotate else \
+                contextlib.nullcontext():
+            h = torch.tanh(self.fc1(x))
+        with poptorch.Block("B", ipu_id=1) if self.annotate else \
+                contextlib.nullcontext():
+            out = self.fc2(h)
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _stages_and_one_graph(make_options, make_optimizer, strategy):
+    torch.manual_seed(0)
+    net = MaybeBlocks()
+    twin = copy.deepcopy(net)
+    twin.annotate = False
+    opts = make_options()
+    opts.setExecutionStrategy(ANY_BLOCKS[strategy]())
+    staged = poptorch.trainingModel(net, opts, make_optimizer(net))
+    single = poptorch.trainingModel(twin, make_options(), make_optimizer(twin))
+    for call in range(2):
+        data = make_data(ITERATIONS * ACCUMULATION * BATCH, seed=call)
+        staged(*data)
+        single(*data)
+    assert staged._staged is not None and single._staged is None
+    staged.copyWeightsToHost()
+    single.copyWeightsToHost()
+    return net, twin, staged
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+def test_the_running_mean_reduction_matches_the_single_graph(strategy):
+    net, twin, _ = _stages_and_one_graph(
+        lambda: _running_mean_options(deviceIterations=ITERATIONS),
+        _sgd, strategy)
+    assert_same_weights(net, twin, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+def test_a_float16_accum_type_matches_the_single_graph(strategy):
+    def optimizer(net):
+        return poptorch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
+                                  accum_type=torch.float16)
+
+    net, twin, staged = _stages_and_one_graph(
+        lambda: options(ITERATIONS, ACCUMULATION), optimizer, strategy)
+    assert_same_weights(net, twin, atol=1e-6)
+    combined = staged._staged._view._combined
+    assert combined and all(buffers[0].dtype == torch.float16
+                            for buffers in combined.values())

@@ -24,8 +24,8 @@ through the stages and share one update (replicas hold identical weights).
 Not available yet with several stages (each raises ``poptorch.Error`` at
 compilation): replicas keeping their own buffers, grouped weights,
 replication in a multi-process run, anchored tensors, models
-writing to their input tensors, an ``accum_type`` other than the
-parameters' dtype or the ``Running`` mean reduction; across processes,
+writing to their input tensors, the ``Running`` mean reduction with
+weights shared between stages; across processes,
 automatic loss scaling, ``max_grad_norm`` and weights shared between
 stages. The stage graphs run as captured graphs under autograd, with every
 backend.
@@ -84,21 +84,29 @@ def check_supported(layout: BatchLayout, processes: int, anchors: bool,
                     "models yet.")
 
 
-def _check_training(settings: StepSettings, params: List[torch.Tensor],
-                    staged: StagedGraph, processes: bool,
-                    param_names: List[str]) -> None:
-    what = _what(len(staged.stages))
+def _combines_gradients(settings: StepSettings,
+                        params: List[torch.Tensor]) -> bool:
+    """Whether gradients need combining per micro-batch (in another dtype
+    than the parameters', or as a running mean) rather than autograd's
+    sum in ``.grad``."""
     gradients = settings.gradients
-    if gradients.accum_dtype is not None and any(
-            p.dtype != gradients.accum_dtype for p in params):
-        raise Error(f"{what} the optimizer's accum_type is "
-                    f"{gradients.accum_dtype}: multi-stage models accumulate "
-                    "gradients in the parameters' dtype; leave accum_type "
-                    "unset or equal to the parameters' dtype.")
-    if gradients.keeps_running_mean:
+    return gradients.keeps_running_mean or (
+        gradients.accum_dtype is not None
+        and any(p.dtype != gradients.accum_dtype for p in params))
+
+
+def _check_training(settings: StepSettings, staged: StagedGraph,
+                    processes: bool, param_names: List[str]) -> None:
+    what = _what(len(staged.stages))
+    shared = [param_names[i] for i, owners in
+              enumerate(staged.param_owners()) if len(owners) > 1]
+    if settings.gradients.keeps_running_mean and shared:
         raise Error(f"{what} the gradient reduction is MeanReductionStrategy."
-                    "Running: multi-stage models sum gradients over the "
-                    "step's micro-batches; use MeanReductionStrategy.Post.")
+                    f"Running: parameter(s) {', '.join(shared)} are used by "
+                    "several stages, whose gradients arrive separately, so "
+                    "no running mean per micro-batch can be kept; place the "
+                    "blocks that share a weight in one stage, or use "
+                    "MeanReductionStrategy.Post.")
     if not processes:
         return
     attributes = settings.attributes
@@ -107,8 +115,6 @@ def _check_training(settings: StepSettings, params: List[torch.Tensor],
         raise Error(f"{what} its stages run in separate processes: automatic "
                     "loss scaling and max_grad_norm need the gradients of "
                     "every stage at once, which is not available yet.")
-    shared = [param_names[i] for i, owners in
-              enumerate(staged.param_owners()) if len(owners) > 1]
     if shared:
         raise Error(f"{what} its stages run in separate processes: "
                     f"parameter(s) {', '.join(shared)} are used by several "
@@ -160,8 +166,10 @@ class StagedExecution:
         """Check the step's settings, capture the optimizer step and set up
         the schedule: with ``processes``, this process runs one stage of a
         pipeline."""
-        _check_training(settings, example["trainable"], self._staged,
-                        processes is not None, self._param_names)
+        _check_training(settings, self._staged, processes is not None,
+                        self._param_names)
+        if _combines_gradients(settings, example["trainable"]):
+            self._view.combine_gradients(settings.gradients, layout.trainable)
         self._update = _PartialUpdate(
             layout, settings, example,
             self._owned_positions(layout, processes))

@@ -21,6 +21,7 @@ are kept for the backward pass, and the rest of the stage's activations are
 recomputed, a segment at a time, when the backward pass reaches them.
 """
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,6 +31,7 @@ import torch.utils.checkpoint
 from . import blocks, losses, partition
 from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                       split_flat, tensor_outputs, trace_user_code)
+from .optimizers.gradient_reduction import GradientReduction
 from .strategies import BlockPlacement
 
 @dataclasses.dataclass
@@ -147,7 +149,13 @@ def segments(stage: partition.Part) -> List[partition.Part]:
 class StageState:
     """The tensors the stages read: parameters (the trainable ones as
     ``nn.Parameter`` leaves whose ``.grad`` collects the step's gradient
-    sum) and the buffers, which stages replace as they write them."""
+    sum) and the buffers, which stages replace as they write them.
+
+    With ``combine_gradients`` (an ``accum_type`` other than a parameter's
+    dtype, or the ``Running`` mean), each micro-batch's gradient is instead
+    combined into a buffer of the reduction as soon as autograd has added
+    it to ``.grad`` (``GradientReduction.add``, as the single-graph step
+    does)."""
 
     def __init__(self, params: List[torch.Tensor], trainable: Sequence[int],
                  buffers: List[torch.Tensor]) -> None:
@@ -156,6 +164,23 @@ class StageState:
             torch.nn.Parameter(t, requires_grad=True) if i in trainable
             else t for i, t in enumerate(params)]
         self.buffers = buffers
+        self._reduction: Optional[GradientReduction] = None
+        self._combined: Dict[int, List[torch.Tensor]] = {}
+
+    def combine_gradients(self, reduction: GradientReduction,
+                          indices: Sequence[int]) -> None:
+        """Combine the gradients of parameters ``indices`` per micro-batch
+        into ``reduction``'s buffers."""
+        self._reduction = reduction
+        for i in indices:
+            self._combined[i] = reduction.start([self.params[i]])
+            self.params[i].register_post_accumulate_grad_hook(
+                functools.partial(self._combine, i))
+
+    def _combine(self, index: int, param: torch.Tensor) -> None:
+        self._combined[index] = self._reduction.add(self._combined[index],
+                                                    [param.grad])
+        param.grad = None
 
     def rebind(self, params: List[torch.Tensor],
                buffers: List[torch.Tensor]) -> None:
@@ -168,11 +193,15 @@ class StageState:
         self.buffers = buffers
 
     def gradients(self, indices: Sequence[int]) -> List[torch.Tensor]:
-        """The summed gradients of parameters ``indices`` (zeros for those
-        the loss did not reach), then reset for the next step."""
+        """The summed (combined) gradients of parameters ``indices`` (zeros
+        for those the loss did not reach), then reset for the next step."""
         grads = []
         for i in indices:
             param = self.params[i]
+            if i in self._combined:
+                grads.append(self._combined[i][0])
+                self._combined[i] = self._reduction.start([param])
+                continue
             grads.append(torch.zeros_like(param) if param.grad is None
                          else param.grad)
             param.grad = None

@@ -330,8 +330,9 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
     """The optimizer step alone, for gradients computed outside the graph
     (multi-stage models, ``staged_execution.py``):
     (trainable, summed gradients, state, hyper) -> (new trainable, new
-    state). The gradients are the plain sum over the step's micro-batches of
-    the scaled loss's gradients."""
+    state). The gradients are those of the scaled loss combined over the
+    step's micro-batches as the running gradient buffer combines them (a
+    sum, or the running mean; in the buffer's dtype)."""
     trainable = example["trainable"]
     sizes = [len(trainable), len(trainable), len(example["state"])]
 
@@ -343,7 +344,7 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
                                               params, grads, state, hyper)
         return new_params + new_state
 
-    grads = [torch.zeros_like(t) for t in trainable]
+    grads = settings.gradients.start(trainable)[:len(trainable)]
     return trace(update, trainable + grads + example["state"] +
                  example["hyper"])
 
