@@ -318,10 +318,8 @@ def step_donation(example: Dict[str, List[torch.Tensor]], running: int,
     running_inputs = range(running_start, running_start + running)
     if not update:
         return Donation({i: written + k for k, i in enumerate(running_inputs)})
-    replaced = {i: i for i in range(trainable)}
-    replaced.update({state_start + k: trainable + written + k
-                     for k in range(state)})
-    return Donation(replaced, frozenset(running_inputs))
+    return _update_donation(trainable, state, state_start,
+                            trainable + written, running_inputs)
 
 
 def trace_update_step(layout: TrainingLayout, settings: StepSettings,
@@ -354,6 +352,17 @@ def update_donation(example: Dict[str, List[torch.Tensor]]) -> Donation:
     after it: the trainable parameters and the optimizer state, replaced by
     the outputs, and the gradients (scratch)."""
     trainable, state = len(example["trainable"]), len(example["state"])
+    return _update_donation(trainable, state, 2 * trainable, trainable,
+                            range(trainable, 2 * trainable))
+
+
+def _update_donation(trainable: int, state: int, state_input: int,
+                     state_output: int, scratch: Sequence[int]) -> Donation:
+    """An update step's donation: the ``trainable`` parameters (first in
+    inputs and outputs) and the ``state`` optimizer state tensors (from
+    input ``state_input``, output ``state_output``) are replaced by their
+    new values; the ``scratch`` inputs (gradients) hold nothing read
+    again."""
     replaced = {i: i for i in range(trainable)}
-    replaced.update({2 * trainable + k: trainable + k for k in range(state)})
-    return Donation(replaced, frozenset(range(trainable, 2 * trainable)))
+    replaced.update({state_input + k: state_output + k for k in range(state)})
+    return Donation(replaced, frozenset(scratch))

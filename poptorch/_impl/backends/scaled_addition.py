@@ -58,15 +58,12 @@ def _fused(graph: torch.fx.Graph, addition: Node,
     sign = _ADDITIONS[addition.target]
     other, scale = product.args[0], product.args[1]
     if product.target is aten._foreach_mul.Scalar:
-        if not isinstance(scale, numbers.Number) or \
-                addition.kwargs.get("alpha", 1) != 1:
+        if not isinstance(scale, numbers.Number):
             return None
         return graph.call_function(aten._foreach_add.List, (base, other),
                                    {"alpha": sign * scale})
     scales = (list(scale) if product.target is aten._foreach_mul.List
               else [scale] * len(other))
-    if addition.kwargs.get("alpha", 1) != 1:
-        return None
     return graph.call_function(aten._foreach_addcmul.Scalar,
                                (base, other, scales), {"value": sign})
 
@@ -75,7 +72,9 @@ def fuse_scaled_additions(graph: torch.fx.Graph) -> None:
     """Rewrite ``graph`` (in place): list additions of a list product used
     nowhere else become one scaled addition."""
     for addition in list(graph.nodes):
-        if addition.op != "call_function" or addition.target not in _ADDITIONS:
+        if addition.op != "call_function" or \
+                addition.target not in _ADDITIONS or \
+                addition.kwargs.get("alpha", 1) != 1:
             continue
         product = _product_of(addition.args[1])
         if product is None:
