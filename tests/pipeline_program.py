@@ -2,7 +2,8 @@
 per process) for the multi-process pipeline tests.
 
     pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
-        [--different-inputs] [--dataloader]
+        [--different-inputs] [--dataloader] [--tied] [--clip NORM]
+        [--loss-scale SCALE]
 
 Every process trains ``Chain`` (K blocks, one per IPU) with
 ``PipelinedExecution`` for N calls of D = 2 iterations of G = 2K - 1
@@ -13,7 +14,13 @@ pipeline p (process id // K) get the data ``data(K, N, p)``; with
 ``--dataloader``, a poptorch.DataLoader over every pipeline's data hands
 each pipeline its part (under poprun). The processes
 start from different weights (seed 1 + process id), so equal results show
-that they share process 0's.
+that they share process 0's. The first block's linear layer is anchored
+(``ANCHOR``), and its values in the last call are saved too. ``--tied`` makes the last block also apply the
+first block's weight (a weight two stages read), ``--clip`` clips the
+gradient norm (``max_grad_norm``), ``--loss-scale`` turns automatic loss
+scaling on, starting from SCALE, and gives the last block a weight whose
+gradient is ``LOUDNESS`` times its output's (so that one stage's gradients
+overflow first).
 """
 import argparse
 import os
@@ -24,28 +31,46 @@ import poptorch
 
 BATCH = 2
 ITERATIONS = 2
+LOUDNESS = 1000.0
+ANCHOR = "layers/0/0/addmm"
 
 
 class Chain(torch.nn.Module):
     """K blocks of Linear + BatchNorm + tanh; the last block also computes
-    the loss."""
+    the loss, after applying the first block's weight when ``tied``, and
+    adds ``LOUDNESS * (loud - loud.detach())`` (zero, with a large
+    gradient) when ``loud``."""
 
-    def __init__(self, stages: int, annotate: bool = True):
+    def __init__(self, stages: int, annotate: bool = True,
+                 tied: bool = False, loud: bool = False):
         super().__init__()
         self.layers = torch.nn.ModuleList(
             [torch.nn.Sequential(torch.nn.Linear(4, 4),
                                  torch.nn.BatchNorm1d(4))
              for _ in range(stages)])
         self.annotate = annotate
+        self.tied = tied
+        self.loud = torch.nn.Parameter(torch.zeros(4)) if loud else None
 
     def forward(self, x, y):
         for index, layer in enumerate(self.layers):
             if self.annotate:
                 with poptorch.Block(f"block{index}", ipu_id=index):
-                    x = torch.tanh(layer(x))
+                    x = self._block(index, layer, x)
             else:
-                x = torch.tanh(layer(x))
+                x = self._block(index, layer, x)
         return x, torch.nn.functional.cross_entropy(x, y)
+
+    def _block(self, index: int, layer: torch.nn.Module,
+               x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(layer(x))
+        if index < len(self.layers) - 1:
+            return x
+        if self.tied:
+            x = torch.nn.functional.linear(x, self.layers[0][0].weight)
+        if self.loud is not None:
+            x = x + LOUDNESS * (self.loud - self.loud.detach())
+        return x
 
 
 def accumulation(stages: int) -> int:
@@ -71,11 +96,14 @@ def every_pipelines_data(stages: int, calls: int, pipelines: int
         torch.cat([y for part in parts for _, y in part]))
 
 
-def optimizer(net: torch.nn.Module, poptorch_optimizer: bool = True
-              ) -> torch.optim.Optimizer:
-    """SGD with momentum (poptorch's reads the device state)."""
-    kind = poptorch.optim.SGD if poptorch_optimizer else torch.optim.SGD
-    return kind(net.parameters(), lr=0.1, momentum=0.9)
+def optimizer(net: torch.nn.Module, poptorch_optimizer: bool = True,
+              **extra) -> torch.optim.Optimizer:
+    """SGD with momentum (poptorch's reads the device state, and takes
+    ``extra`` attributes)."""
+    if not poptorch_optimizer:
+        return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return poptorch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
+                              **extra)
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -90,20 +118,31 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--different-inputs", action="store_true")
     parser.add_argument("--dataloader", action="store_true")
+    parser.add_argument("--tied", action="store_true")
+    parser.add_argument("--clip", type=float)
+    parser.add_argument("--loss-scale", type=float)
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
     pipeline = process // arguments.stages
     if arguments.different_inputs and process == 1:
         pipeline = 1
     torch.manual_seed(1 + process)
-    net = Chain(arguments.stages)
+    net = Chain(arguments.stages, tied=arguments.tied,
+                loud=arguments.loss_scale is not None)
     options = poptorch.Options().deviceIterations(ITERATIONS)
     options.autoRoundNumIPUs(True)
     if int(os.environ["WORLD_SIZE"]) > arguments.stages:
         options.broadcastBuffers(False)   # each pipeline its own statistics
     options.Training.gradientAccumulation(accumulation(arguments.stages))
     options.outputMode(poptorch.OutputMode.All)
-    sgd = optimizer(net)
+    options.anchorTensor("first", ANCHOR)
+    extra = {}
+    if arguments.clip is not None:
+        extra["max_grad_norm"] = arguments.clip
+    if arguments.loss_scale is not None:
+        options.Training.setAutomaticLossScaling(True)
+        extra["loss_scaling"] = arguments.loss_scale
+    sgd = optimizer(net, **extra)
     model = poptorch.trainingModel(net, options, sgd)
     if arguments.dataloader:
         calls = poptorch.DataLoader(options, every_pipelines_data(
@@ -116,6 +155,7 @@ def main() -> None:
     model.copyWeightsToHost()
     torch.save({"outputs": [plain(r[0]) for r in results],
                 "losses": [plain(r[1]) for r in results],
+                "anchored": model.getAnchoredTensor("first"),
                 "weights": net.state_dict(),
                 "momentum": [state["momentum_buffer"] for _, state in
                              sorted(sgd.state_dict()["state"].items())]},

@@ -532,14 +532,14 @@ def test_variable_attributes_take_effect_without_recompiling(pair):
     model = poptorch.trainingModel(mlp, options(2), optimizer)
     reference = T.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     train_both(model, twin, reference, calls=2, clip=0.05)
-    graphs = model._graphs
+    steps = model._session.steps
     optimizer.param_groups[0]["momentum"] = 0.5
     optimizer.loss_scaling = 32.0
     optimizer.max_grad_norm = 0.2
     model.setOptimizer(optimizer)
     reference.param_groups[0]["momentum"] = 0.5
     train_both(model, twin, reference, calls=2, clip=0.2)
-    assert model._graphs is graphs
+    assert model._session.steps is steps
     assert model.current_loss_scale == 32.0
     assert_same_weights(mlp, twin, atol=ATOL)
 
@@ -548,7 +548,7 @@ def test_loss_scaling_passed_to_the_constructor_is_a_runtime_input(mlp):
     optimizer = P.SGD(mlp.parameters(), lr=0.1, loss_scaling=8.0)
     model = poptorch.trainingModel(mlp, options(2), optimizer)
     model(*make_data(4))
-    code = model._graphs["update"].code
+    code = model._session.graphs["update"].code
     assert "8.0" not in code
     optimizer.loss_scaling = 16.0
     model.setOptimizer(optimizer)
@@ -741,7 +741,7 @@ def test_automatic_loss_scaling_keeps_fp32_training_unchanged(pair):
     train_both(model, twin, T.Adam(twin.parameters(), lr=0.01, eps=1e-6),
                accumulation=2, calls=3, clip=10.0)
     assert_same_weights(mlp, twin, atol=ATOL)
-    for graph in model._graphs.values():
+    for graph in model._session.graphs.values():
         assert not any("_local_scalar_dense" in str(node.target)
                        for node in graph.graph.nodes)
 

@@ -4,9 +4,11 @@ torchrun's variables, the processes train one model like plain PyTorch on
 one process, and every process returns the outputs and holds the trained
 weights. The tests start real processes (gloo on the CPU), so they are
 marked slow."""
+import math
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -39,18 +41,30 @@ def _run(output, processes: int, *extra):
     return results
 
 
-def _plain_training(stages: int, pipelines: int, calls: int = 2):
+def _plain_training(stages: int, pipelines: int, calls: int = 2,
+                    tied: bool = False, clip: Optional[float] = None,
+                    loss_scale: Optional[float] = None, scales=None):
     """The same training in plain PyTorch: process 0's initial weights,
     each optimizer step averaging the gradients of every pipeline's G
-    micro-batches; the outputs and losses of each pipeline."""
+    micro-batches (clipped to ``clip``; with automatic loss scaling by
+    ``torch.amp.GradScaler`` from ``loss_scale``, whose scale before each
+    step and at the end goes to ``scales``); the outputs and losses of each
+    pipeline, and its first linear layer's outputs in the last call."""
     torch.manual_seed(1)
-    net = program.Chain(stages, annotate=False)
+    net = program.Chain(stages, annotate=False, tied=tied,
+                        loud=loss_scale is not None)
     sgd = program.optimizer(net, poptorch_optimizer=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0,
+                                  enabled=loss_scale is not None)
     accumulation = program.accumulation(stages)
     batches = [program.data(stages, calls, p) for p in range(pipelines)]
     outputs = [[] for _ in range(pipelines)]
     losses = [[] for _ in range(pipelines)]
+    first_layer = []
+    net.layers[0][0].register_forward_hook(
+        lambda _, args, output: first_layer.append(output.detach()))
     for call in range(calls):
+        first_layer.clear()
         per_call = [([], []) for _ in range(pipelines)]
         for iteration in range(program.ITERATIONS):
             sgd.zero_grad()
@@ -60,25 +74,42 @@ def _plain_training(stages: int, pipelines: int, calls: int = 2):
                     first = (iteration * accumulation + step) * program.BATCH
                     rows = slice(first, first + program.BATCH)
                     out, loss = net(x[rows], y[rows])
-                    (loss / (accumulation * pipelines)).backward()
+                    scaler.scale(loss / (accumulation * pipelines)).backward()
                     per_call[pipeline][0].append(out.detach())
                     per_call[pipeline][1].append(loss.detach())
-            sgd.step()
+            if clip is not None:
+                scaler.unscale_(sgd)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            if scales is not None:
+                scales.append(scaler.get_scale())
+            scaler.step(sgd)
+            scaler.update()
         for pipeline, (outs, call_losses) in enumerate(per_call):
             outputs[pipeline].append(torch.stack(outs))
             losses[pipeline].append(torch.stack(call_losses))
-    momentum = [sgd.state[p]["momentum_buffer"] for p in net.parameters()]
-    return net.state_dict(), momentum, outputs, losses
+    if scales is not None:
+        scales.append(scaler.get_scale())
+    momentum = [sgd.state[p]["momentum_buffer"] for p in net.parameters()
+                if p in sgd.state]
+    per_step = pipelines * accumulation
+    anchored = [torch.cat([first_layer[index] for index in
+                           range(len(first_layer))
+                           if index % per_step // accumulation == pipeline])
+                for pipeline in range(pipelines)]
+    return net.state_dict(), momentum, outputs, losses, anchored
 
 
-def _check_processes(output, stages: int, pipelines: int) -> None:
+def _check_processes(output, stages: int, pipelines: int,
+                     **settings) -> None:
     """Every process returned its pipeline's outputs and holds the trained
-    weights and optimizer state; with several pipelines, each keeps its own
-    BatchNorm statistics (``broadcastBuffers(False)``), the same in all its
-    processes."""
-    weights, momentum, outputs, losses = _plain_training(stages, pipelines)
-    parameters = {name for name, _ in
-                  program.Chain(stages).named_parameters()}
+    weights and optimizer state (of the training ``settings``); with several
+    pipelines, each keeps its own BatchNorm statistics
+    (``broadcastBuffers(False)``), the same in all its processes."""
+    weights, momentum, outputs, losses, anchored = _plain_training(
+        stages, pipelines, **settings)
+    parameters = {name for name, _ in program.Chain(
+        stages, loud=settings.get("loss_scale") is not None
+    ).named_parameters()}
     for process in range(stages * pipelines):
         saved = torch.load(os.path.join(output, f"process{process}.pt"))
         pipeline = process // stages
@@ -88,6 +119,8 @@ def _check_processes(output, stages: int, pipelines: int) -> None:
         for got, expected in zip(saved["outputs"], outputs[pipeline]):
             torch.testing.assert_close(got.reshape(expected.shape),
                                        expected, **TOLERANCE)
+        torch.testing.assert_close(saved["anchored"], anchored[pipeline],
+                                   **TOLERANCE)
         for name, value in weights.items():
             if pipelines == 1 or name in parameters:
                 torch.testing.assert_close(saved["weights"][name], value,
@@ -116,10 +149,68 @@ def test_four_processes_run_two_pipelines_of_two_stages(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_pipelines_share_a_tied_weight_and_clip_the_global_norm(
+        tmp_path):
+    """The first block's weight, also read by the last stage, gets the
+    gradients of both stages and stays equal in both processes; clipping
+    uses the norm of every stage's gradients (the norm is above the clip in
+    every step, so clipping by one stage's norm would differ)."""
+    for code, err in _run(tmp_path, 4, "--tied", "--clip", "0.05"):
+        assert code == 0, err
+    _check_processes(tmp_path, stages=2, pipelines=2, tied=True, clip=0.05)
+
+
+def _scale_overflowing_one_stage(stages: int) -> float:
+    """A power of two under which the last stage's gradients overflow in
+    the first optimizer step (by a factor of 1.5 to 3) and the other
+    stages' stay finite (checked in plain PyTorch), so that only a step
+    skipped in every process matches one process."""
+    torch.manual_seed(1)
+    net = program.Chain(stages, annotate=False, loud=True)
+    x, y = program.data(stages, 1)[0]
+    accumulation = program.accumulation(stages)
+
+    def stage_maxima(scale: float):
+        net.zero_grad()
+        for step in range(accumulation):
+            rows = slice(step * program.BATCH, (step + 1) * program.BATCH)
+            _, loss = net(x[rows], y[rows])
+            (loss * scale / accumulation).backward()
+        last = [net.loud] + list(net.layers[-1].parameters())
+        others = [p for layer in net.layers[:-1] for p in layer.parameters()]
+        return [max(p.grad.abs().max().item() for p in part)
+                for part in (last, others)]
+
+    largest = torch.finfo(torch.float32).max
+    scale = 2.0 ** math.ceil(
+        math.log2(1.5 * largest / stage_maxima(1.0)[0]))
+    last, others = stage_maxima(scale)
+    assert math.isinf(last) and others < largest / 8
+    return scale
+
+
+@pytest.mark.slow
+def test_automatic_loss_scaling_skips_a_step_overflowing_in_one_stage(
+        tmp_path):
+    """The first step overflows in the last stage only: every process skips
+    it and backs off, then applies the second step, as GradScaler does on
+    one process."""
+    scale = _scale_overflowing_one_stage(2)
+    for code, err in _run(tmp_path, 2, "--loss-scale", str(scale),
+                          "--calls", "1"):
+        assert code == 0, err
+    scales = []
+    _plain_training(2, 1, calls=1, loss_scale=scale, scales=scales)
+    assert scales == [scale, scale / 2, scale / 2]
+    _check_processes(tmp_path, stages=2, pipelines=1, calls=1,
+                     loss_scale=scale)
+
+
+@pytest.mark.slow
 def test_three_processes_run_a_three_stage_pipeline(tmp_path):
     for code, err in _run(tmp_path, 3, "--stages", "3", "--calls", "1"):
         assert code == 0, err
-    weights, _, _, losses = _plain_training(3, 1, calls=1)
+    weights, _, _, losses, _ = _plain_training(3, 1, calls=1)
     saved = torch.load(os.path.join(tmp_path, "process1.pt"))
     torch.testing.assert_close(saved["losses"][0], losses[0][0],
                                **TOLERANCE)

@@ -65,8 +65,8 @@ def test_vectorised_step_is_one_batch_of_all_replicas(mlp):
     contracting them, for the weight gradients)."""
     single, _ = _train(copy.deepcopy(mlp), options(), make_data(5))
     replicated, _ = _train(mlp, options(replicas=4), make_data(20))
-    rows_single = _matmul_rows(single._graphs["update"])
-    rows_replicated = _matmul_rows(replicated._graphs["update"])
+    rows_single = _matmul_rows(single._session.graphs["update"])
+    rows_replicated = _matmul_rows(replicated._session.graphs["update"])
     assert len(rows_replicated) == len(rows_single)
     assert rows_replicated == sorted(4 * rows if rows == 5 else rows
                                      for rows in rows_single)

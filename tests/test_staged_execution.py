@@ -472,10 +472,6 @@ ERRORS = {
         "3 stages, and the gradient reduction is "
         r"MeanReductionStrategy.Running: parameter\(s\) fc2.weight, "
         "fc2.bias are used by several stages"),
-    "anchored-tensor": (
-        FourBlocks, lambda: options(1, ACCUMULATION, anchorTensor=(
-            "hidden", "fc2/Tanh")), _sgd, ACCUMULATION * BATCH,
-        "4 stages, and tensors are anchored: anchorTensor is not available"),
 }
 
 
@@ -503,12 +499,52 @@ def test_the_pipeline_rejects_backwards_blocks_before_partitioning():
         model(*make_data(3 * BATCH))
 
 
-def test_inference_with_anchored_tensors_is_an_error():
-    model = poptorch.inferenceModel(FourBlocks().eval(), options(
-        4, anchorTensor=("hidden", "fc2/Tanh")))
-    with pytest.raises(poptorch.Error, match="anchorTensor is not available "
-                                             "for multi-stage models"):
-        model(make_data(4 * BATCH)[0])
+# --- anchored tensors --------------------------------------------------------
+
+def _recording(module: torch.nn.Module) -> list:
+    """The outputs of ``module``'s calls from now on."""
+    recorded = []
+    module.register_forward_hook(
+        lambda _, args, output: recorded.append(output.detach()))
+    return recorded
+
+
+@parametrize_strategies(TWO_SCHEDULES)
+def test_anchored_tensor_of_an_inner_stage_in_inference(make_strategy):
+    net, twin = four_blocks_pair()
+    net.eval()
+    twin.eval()
+    model = poptorch.inferenceModel(net, options(
+        4, setExecutionStrategy=make_strategy(),
+        anchorTensor=("hidden", "fc2/addmm")))
+    recorded = _recording(twin.fc2)
+    x, _ = make_data(4 * BATCH)
+    with torch.no_grad():
+        close(model(x), twin(x))
+    close(model.getAnchoredTensor("hidden"), recorded[0])
+
+
+@parametrize_strategies(TWO_SCHEDULES)
+def test_anchored_tensor_of_an_inner_stage_in_training(make_strategy):
+    """Every micro-batch's value (OutputMode.All), computed with the
+    weights of its step."""
+    net, twin = four_blocks_pair()
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION,
+                     setExecutionStrategy=make_strategy(),
+                     anchorTensor=("hidden", "fc2/addmm",
+                                   poptorch.OutputMode.All)),
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    recorded = _recording(twin.fc2)
+    for call in range(2):
+        recorded.clear()
+        x, y = make_data(ROWS, seed=call)
+        model(x, y)
+        plain_training(twin, reference, x, y)
+        anchored = model.getAnchoredTensor("hidden")
+        assert anchored.shape == (ROWS, 8)
+        close(anchored, torch.cat(recorded))
 
 
 # --- liveness on the CPU -----------------------------------------------------
@@ -601,47 +637,6 @@ def test_set_optimizer_changes_the_learning_rate_from_the_next_call():
     for call in range(3):
         plain_training(unchanged_twin, slow, *make_data(ROWS, seed=call))
     assert not torch.allclose(unchanged_twin.fc1.weight, twin.fc1.weight)
-
-
-# --- what a pipeline over processes refuses (checked on a compiled model) --
-
-def _processes_refuse(net, optimizer, message):
-    """Compile ``net`` in this process, then check its settings as a run
-    of one stage per process would."""
-    model = poptorch.trainingModel(
-        net, options(1, 5, autoRoundNumIPUs=True), optimizer)
-    model.compile(*make_data(5 * BATCH))
-    staged = model._staged
-    with pytest.raises(poptorch.Error, match=message):
-        staged_execution._check_training(
-            staged._settings, staged._staged, processes=True,
-            param_names=staged._param_names)
-
-
-def test_stages_in_processes_refuse_weights_shared_between_stages():
-    net = Crossing()
-    _processes_refuse(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                      r"parameter\(s\) fc2.weight, fc2.bias are used by "
-                      "several stages")
-
-
-@pytest.mark.parametrize("settings", [
-    {"max_grad_norm": 1.0}, {"loss_scaling": 8.0, "auto": True}],
-    ids=["max-grad-norm", "automatic-loss-scaling"])
-def test_stages_in_processes_refuse_what_needs_every_gradient(settings):
-    net = FourBlocks()
-    automatic = settings.pop("auto", False)
-    optimizer = poptorch.optim.SGD(net.parameters(), lr=0.1, **settings)
-    opts = options(1, ACCUMULATION)
-    opts.Training.setAutomaticLossScaling(automatic)
-    model = poptorch.trainingModel(net, opts, optimizer)
-    model.compile(*make_data(ACCUMULATION * BATCH))
-    staged = model._staged
-    with pytest.raises(poptorch.Error,
-                       match="automatic loss scaling and max_grad_norm"):
-        staged_execution._check_training(
-            staged._settings, staged._staged, processes=True,
-            param_names=staged._param_names)
 
 
 class ReturnsItsWeight(torch.nn.Module):

@@ -120,9 +120,9 @@ def test_set_optimizer_applies_lr_scheduler_without_recompiling(mlp, twin):
         model.setOptimizer(optimizer)
         reference_training(twin, reference, (x, y), 2)
         reference_scheduler.step()
-    graphs = model._graphs
+    steps = model._session.steps
     assert_same_weights(mlp, twin)
-    assert model._graphs is graphs
+    assert model._session.steps is steps
 
 
 def test_default_optimizer_is_sgd_with_lr_0_01(mlp, twin):

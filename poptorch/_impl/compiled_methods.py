@@ -5,7 +5,7 @@ tensor names and anchored tensors, and the timings of the last call.
 ``PoplarExecutor`` inherits them; they work on its compiled state through
 ``serialization/export.py``, ``names.py`` and ``perf_counters.py``.
 """
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -80,16 +80,14 @@ class CompiledExecutionMethods:
     def getTensorNames(self) -> List[str]:
         """The names of the tensors the compiled graph computes (see
         ``names.py`` for the naming scheme); for a training model, those
-        of the step that applies the optimizer update."""
+        of the step that applies the optimizer update (of the forward pass
+        when the model's blocks form several stages)."""
         self._require_compiled("getTensorNames")
         if self._staged is not None:
-            used: Set[str] = set()
-            return [name for graph in self._staged.graphs()
-                    for name in tensor_names(graph,
-                                             self._options.module_namescope,
-                                             used)]
-        graphs = self._session.graphs
-        graph = graphs.get("inference", graphs.get("update"))
+            graph = self._staged.forward_graph
+        else:
+            graphs = self._session.graphs
+            graph = graphs.get("inference", graphs.get("update"))
         return list(tensor_names(graph, self._options.module_namescope))
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:

@@ -211,13 +211,15 @@ class PoplarExecutor(CompiledExecutionMethods):
                       layout: BatchLayout) -> None:
         staged_execution.check_supported(
             layout, self._options.Distributed.numProcesses,
-            bool(self._session.anchors), bool(analysis.written_inputs),
+            bool(analysis.written_inputs),
             len({p.stage_id for p in plan.placements.values()}),
             self._training, self._buffer_sets() > 1,
             bool(self._replicas.grouped))
         graph = stages.trace_forward(model_call, analysis, state.params,
                                      state.buffers[0], micro, self._training,
                                      self._training_flags)
+        graph = self._session.anchors.add_outputs(graph, "forward",
+                                                  before=int(self._training))
         staged = stages.cut_into_stages(graph, plan.placements, analysis,
                                         len(state.params),
                                         len(state.buffers[0]), self._training)
@@ -231,7 +233,6 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._staged = staged_execution.StagedExecution(
             staged, plan.strategy, state.params, trainable, state.buffers[0],
             state.device, self._training, state.param_names)
-        self._graphs = {}
 
     def _compile_inference(self, model_call, analysis, state, inputs) -> None:
         graph, example = self._replicas.trace_inference(
@@ -241,7 +242,6 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._steps = device_loop.InferenceSteps(
             self._session.compile("inference", graph),
             analysis.written_buffers)
-        self._graphs = {"inference": graph}
 
     def _compile_training(self, model_call, analysis, state, micro,
                           layout: BatchLayout, inputs) -> None:
@@ -310,7 +310,6 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._steps = device_loop.TrainingSteps(
             update=compiled["update"], accumulate=compiled.get("accumulate"),
             written_buffers=analysis.written_buffers, running=zeros)
-        self._graphs = graphs
 
     def _batch_layout(self) -> BatchLayout:
         options = self._options

@@ -94,15 +94,13 @@ def _operation_name(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def tensor_names(graph: torch.fx.GraphModule, module_namescope: bool = True,
-                 used: Optional[Set[str]] = None) -> Dict[str, torch.fx.Node]:
+def tensor_names(graph: torch.fx.GraphModule,
+                 module_namescope: bool = True) -> Dict[str, torch.fx.Node]:
     """Name -> node of every tensor an operation of ``graph`` produces, in
-    the order the operations run. ``used``: names already given (by the
-    graphs of earlier stages), which this graph's names must not repeat;
-    it receives this graph's names."""
+    the order the operations run."""
     names: Dict[str, torch.fx.Node] = {}
     of_node: Dict[torch.fx.Node, str] = {}
-    used = set() if used is None else used
+    used: Set[str] = set()
     for node in graph.graph.nodes:
         if node.op != "call_function":
             continue
@@ -142,16 +140,19 @@ class Anchors:
     def __bool__(self) -> bool:
         return bool(self.anchored)
 
-    def add_outputs(self, graph: torch.fx.GraphModule,
-                    step: str) -> torch.fx.GraphModule:
-        """Append the anchored tensors to the outputs of ``graph``."""
+    def add_outputs(self, graph: torch.fx.GraphModule, step: str,
+                    before: int = 0) -> torch.fx.GraphModule:
+        """Add the anchored tensors to the outputs of ``graph``: after the
+        others, or before the last ``before`` of them."""
         if not self.anchored:
             return graph
         names = tensor_names(graph, self.module_namescope)
         nodes = [self._node(names, long_name, short, step)
                  for short, (long_name, _, _) in self.anchored.items()]
         output = next(n for n in graph.graph.nodes if n.op == "output")
-        output.args = (list(output.args[0]) + nodes,)
+        values = list(output.args[0])
+        cut = len(values) - before
+        output.args = (values[:cut] + nodes + values[cut:],)
         graph.recompile()
         return graph
 

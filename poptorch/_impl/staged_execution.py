@@ -14,20 +14,24 @@ graph backend runs it, writing the new weights and optimizer state into the
 old tensors (``backends/in_place.py``). The results equal those of the
 unannotated model within float tolerance.
 
+Anchored tensors (``anchorTensor``) are extra outputs of the forward graph
+before it is cut, so they travel to the last stage with its outputs.
+
 In an n-process run, a training model runs one stage per process
 (``distributed/pipeline_processes.py``); each process updates its stage's
-weights and receives the others' from their owners after each call.
+weights and receives the others' from their owners after each call. A
+weight read by several stages gets their summed gradient and the same
+update in each; clipping and automatic loss scaling take the statistics of
+every stage's gradients.
 
 With R replicas in one process, the G x R micro-batches of a step all go
 through the stages and share one update (replicas hold identical weights).
 
 Not available yet with several stages (each raises ``poptorch.Error`` at
 compilation): replicas keeping their own buffers, grouped weights,
-replication in a multi-process run, anchored tensors, models
+replication in a multi-process run, models
 writing to their input tensors, the ``Running`` mean reduction with
-weights shared between stages; across processes,
-automatic loss scaling, ``max_grad_norm`` and weights shared between
-stages. The stage graphs run as captured graphs under autograd, with every
+weights shared between stages. The stage graphs run as captured graphs under autograd, with every
 backend.
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -41,6 +45,7 @@ from .batching import BatchLayout, micro_batch
 from .device_loop import TrainingState
 from .distributed.pipeline_processes import PipelineProcesses
 from .logger import info_once
+from .optimizers.global_attributes import PartialGradients
 from .outputs import OutputCollector
 from .pipeline import PipelineSchedule
 from .sequential_stages import SequentialSchedule
@@ -54,7 +59,7 @@ def _what(stages: int) -> str:
     return f"The model's blocks form {stages} stages, and"
 
 
-def check_supported(layout: BatchLayout, processes: int, anchors: bool,
+def check_supported(layout: BatchLayout, processes: int,
                     written_inputs: bool, stages: int, training: bool,
                     per_replica_buffers: bool, grouped: bool) -> None:
     """Raise ``poptorch.Error`` for what several stages cannot run yet."""
@@ -75,9 +80,6 @@ def check_supported(layout: BatchLayout, processes: int, anchors: bool,
         raise Error(f"{what} the run has {processes} processes: a "
                     "multi-stage model places one stage per process, so the "
                     f"number of processes must be a multiple of {stages}.")
-    if anchors:
-        raise Error(f"{what} tensors are anchored: anchorTensor is not "
-                    "available for multi-stage models yet.")
     if written_inputs:
         raise Error(f"{what} forward writes to its input tensors: in-place "
                     "writes to inputs are not available for multi-stage "
@@ -96,7 +98,7 @@ def _combines_gradients(settings: StepSettings,
 
 
 def _check_training(settings: StepSettings, staged: StagedGraph,
-                    processes: bool, param_names: List[str]) -> None:
+                    param_names: List[str]) -> None:
     what = _what(len(staged.stages))
     shared = [param_names[i] for i, owners in
               enumerate(staged.param_owners()) if len(owners) > 1]
@@ -107,19 +109,6 @@ def _check_training(settings: StepSettings, staged: StagedGraph,
                     "no running mean per micro-batch can be kept; place the "
                     "blocks that share a weight in one stage, or use "
                     "MeanReductionStrategy.Post.")
-    if not processes:
-        return
-    attributes = settings.attributes
-    if attributes.automatic is not None or attributes.max_grad_norm \
-            is not None or "max_grad_norm" in attributes.variable:
-        raise Error(f"{what} its stages run in separate processes: automatic "
-                    "loss scaling and max_grad_norm need the gradients of "
-                    "every stage at once, which is not available yet.")
-    if shared:
-        raise Error(f"{what} its stages run in separate processes: "
-                    f"parameter(s) {', '.join(shared)} are used by several "
-                    "stages; place the blocks that share a weight in one "
-                    "stage.")
 
 
 class StagedExecution:
@@ -154,9 +143,10 @@ class StagedExecution:
     def stage_count(self) -> int:
         return len(self._modules)
 
-    def graphs(self) -> List[torch.fx.GraphModule]:
-        """The stages' forward graphs, in order."""
-        return [module.part.module for module in self._modules]
+    @property
+    def forward_graph(self) -> torch.fx.GraphModule:
+        """The forward graph cut into the stages."""
+        return self._staged.forward
 
     def prepare_training(self, layout: TrainingLayout,
                          settings: StepSettings,
@@ -166,13 +156,17 @@ class StagedExecution:
         """Check the step's settings, capture the optimizer step and set up
         the schedule: with ``processes``, this process runs one stage of a
         pipeline."""
-        _check_training(settings, self._staged, processes is not None,
-                        self._param_names)
+        _check_training(settings, self._staged, self._param_names)
         if _combines_gradients(settings, example["trainable"]):
             self._view.combine_gradients(settings.gradients, layout.trainable)
-        self._update = _PartialUpdate(
-            layout, settings, example,
-            self._owned_positions(layout, processes))
+        positions = self._owned_positions(layout, processes)
+        partial = None
+        if processes is not None:
+            partial = processes.partial_gradients(
+                [self._owners[layout.trainable[p]][0] == processes.stage
+                 for p in positions], self._device)
+        self._update = _PartialUpdate(layout, settings, example, positions,
+                                      partial)
         self._training_layout = layout
         self._settings = settings
         self._processes = processes
@@ -237,21 +231,29 @@ class StagedExecution:
                     _stacked(inputs, positions, layout), len(positions),
                     lambda loss: scaling.scale_loss(loss, factor))
             grads = self._view.gradients(training.trainable)
-            self._reduce_over_pipelines(grads)
+            self._combine_over_processes(grads)
             self._collect(collector, positions, layout, state.trainable)
             self._update(state, grads)
         if self._processes is not None:
             self._processes.broadcast_from_owners(self._owned(state))
         self._view.rebind(training.merge(state.trainable, state.frozen), state.buffer_sets[0])
 
-    def _reduce_over_pipelines(self, grads: List[torch.Tensor]) -> None:
-        if self._processes is None:
+    def _combine_over_processes(self, grads: List[torch.Tensor]) -> None:
+        """In a multi-process pipeline: the gradients of weights read by
+        several stages summed over the stages, then this stage's gradients
+        reduced over the pipelines (in place)."""
+        processes = self._processes
+        if processes is None:
             return
-        mine = [grad for index, grad in zip(self._training_layout.trainable,
-                                            grads)
-                if self._processes.stage in self._owners[index]]
-        self._processes.reduce_gradients_(
-            mine, self._settings.reduction == ReductionType.Mean)
+        indices = self._training_layout.trainable
+        shared = [grad for index, grad in zip(indices, grads)
+                  if len(self._owners[index]) > 1]
+        if shared:
+            processes.sum_shared_gradients_(shared)
+        processes.reduce_gradients_(
+            [grad for index, grad in zip(indices, grads)
+             if processes.stage in self._owners[index]],
+            self._settings.reduction == ReductionType.Mean)
 
     def _owned_positions(self, layout: TrainingLayout,
                          processes: Optional[PipelineProcesses]) -> List[int]:
@@ -283,11 +285,13 @@ class _PartialUpdate:
     """The optimizer step of some trainable positions: the captured update
     of their restricted layout, run by the graph backend, which writes the
     new weights and optimizer state into the old tensors
-    (``backends/in_place.py``)."""
+    (``backends/in_place.py``). With ``partial``, other processes hold the
+    step's other gradients (a pipeline over processes)."""
 
     def __init__(self, layout: TrainingLayout, settings: StepSettings,
                  example: Dict[str, List[torch.Tensor]],
-                 positions: List[int]) -> None:
+                 positions: List[int],
+                 partial: Optional[PartialGradients] = None) -> None:
         part, self._state, self._hyper = layout.restricted(positions)
         self._positions = positions
         self._state_tail = layout.state_size()
@@ -296,7 +300,7 @@ class _PartialUpdate:
                    "state": self._state_of(example["state"]),
                    "hyper": self._hyper_of(example["hyper"])}
         self._step = get_backend("graph").compile(
-            trace_update_step(part, settings, example), [],
+            trace_update_step(part, settings, example, partial), [],
             update_donation(example))
 
     def _state_of(self, flat: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -37,6 +37,7 @@ from .strategies import BlockPlacement
 @dataclasses.dataclass
 class StagedGraph:
     """The forward graph of a model cut into stages."""
+    forward: fx.GraphModule
     stages: List[partition.Part]
     segments: List[List[partition.Part]]  # per stage, see ``segments``
     num_params: int
@@ -113,7 +114,7 @@ def cut_into_stages(graph: fx.GraphModule,
     output_parts += [len(stage_ids) - 1] * (len(outputs) - written)
     stages = partition.split(graph, parts, len(stage_ids), output_parts)
     return StagedGraph(
-        stages=stages,
+        forward=graph, stages=stages,
         segments=[segments(stage) if training else [] for stage in stages],
         num_params=num_params, num_buffers=num_buffers,
         written_buffers=list(analysis.written_buffers),

@@ -30,7 +30,8 @@ from .backends.in_place import Donation
 from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace, trace_user_code)
-from .optimizers.global_attributes import GlobalAttributes, StepScaling
+from .optimizers.global_attributes import (GlobalAttributes,
+                                          PartialGradients, StepScaling)
 from .optimizers.gradient_reduction import GradientReduction
 from .optimizers.plan import OptimizerPlan
 from .optimizers.rule import UpdateRule
@@ -323,21 +324,24 @@ def step_donation(example: Dict[str, List[torch.Tensor]], running: int,
 
 
 def trace_update_step(layout: TrainingLayout, settings: StepSettings,
-                      example: Dict[str, List[torch.Tensor]]
+                      example: Dict[str, List[torch.Tensor]],
+                      partial: Optional[PartialGradients] = None
                       ) -> torch.fx.GraphModule:
     """The optimizer step alone, for gradients computed outside the graph
     (multi-stage models, ``staged_execution.py``):
     (trainable, summed gradients, state, hyper) -> (new trainable, new
     state). The gradients are those of the scaled loss combined over the
     step's micro-batches as the running gradient buffer combines them (a
-    sum, or the running mean; in the buffer's dtype)."""
+    sum, or the running mean; in the buffer's dtype). With ``partial``, the
+    other processes hold the step's other gradients."""
     trainable = example["trainable"]
     sizes = [len(trainable), len(trainable), len(example["state"])]
 
     def update(*flat):
         params, grads, state, hyper = split_flat(flat, sizes)
         scaling = settings.attributes.bind(hyper[layout.hyper_size():],
-                                           state[layout.state_size():])
+                                           state[layout.state_size():],
+                                           partial)
         new_params, new_state = _apply_update(layout, settings, scaling,
                                               params, grads, state, hyper)
         return new_params + new_state

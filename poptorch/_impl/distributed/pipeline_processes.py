@@ -13,18 +13,41 @@ holds the whole trained model (for ``copyWeightsToHost``, checkpoints and
 inference); they also share the last stage's outputs, so every process
 returns them.
 
+A weight that several stages read is updated by each of them: their
+gradients of it are summed over the pipeline first, so the copies stay
+equal. Gradient clipping (``max_grad_norm``) and automatic loss scaling
+need statistics of every stage's gradients: the update graph sums them over
+the pipeline (``poptorch::pipeline_sum_``, ``PartialGradients``).
+
 Every process of a pipeline must be called with the same inputs (checked on
 each call). Under ``poprun``, ``poptorch.DataLoader`` gives the processes of
 one replica the same data; otherwise it splits data by process, so
 pipelines use ``auto_distributed_partitioning=False`` or split the data by
 pipeline.
 """
+import itertools
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ...errors import Error
+from ..optimizers.global_attributes import PartialGradients
+
+_numbers = itertools.count()
+_pipelines: "weakref.WeakValueDictionary[int, PipelineProcesses]" = \
+    weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("poptorch::pipeline_sum_", mutates_args=("value",))
+def _pipeline_sum_(value: torch.Tensor, pipeline: int) -> None:
+    dist.all_reduce(value, group=_pipelines[pipeline].group)
+
+
+@_pipeline_sum_.register_fake
+def _pipeline_sum_fake(value: torch.Tensor, pipeline: int) -> None:
+    return None
 
 
 class PipelineProcesses:
@@ -48,6 +71,8 @@ class PipelineProcesses:
                                     for pipeline in range(self.pipelines)])
             if stage == self.stage:
                 self.stage_group = group
+        self.number = next(_numbers)
+        _pipelines[self.number] = self
 
     @property
     def is_last(self) -> bool:
@@ -78,16 +103,27 @@ class PipelineProcesses:
                           average: bool) -> None:
         """Sum (or average) this stage's gradients over the pipelines, in
         place."""
-        if self.pipelines == 1 or not grads:
+        if self.pipelines == 1:
             return
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        dist.all_reduce(flat, group=self.stage_group)
-        if average:
-            flat /= self.pipelines
-        start = 0
-        for grad in grads:
-            grad.copy_(flat[start:start + grad.numel()].view_as(grad))
-            start += grad.numel()
+        _sum_in_place(grads, self.stage_group,
+                      self.pipelines if average else 1)
+
+    def sum_shared_gradients_(self, grads: Sequence[torch.Tensor]) -> None:
+        """Sum the gradients of weights that several stages read over the
+        pipeline, in place (every process passes the same weights' gradients,
+        zeros for those its stage does not read)."""
+        _sum_in_place(grads, self.group)
+
+    def partial_gradients(self, counted: Sequence[bool],
+                          device: torch.device) -> PartialGradients:
+        """The update of this stage's weights, totalling gradient
+        statistics over the pipeline."""
+        number = self.number
+
+        def total(value: torch.Tensor) -> None:
+            torch.ops.poptorch.pipeline_sum_(value, number)
+
+        return PartialGradients(tuple(counted), total, device)
 
     def broadcast_from_owners(self, owned: Sequence[Sequence[torch.Tensor]]
                               ) -> None:
@@ -127,6 +163,20 @@ def _fingerprint(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     else:
         norm = tensor.double().square().sum().sqrt()
     return tensor.sum(dtype=torch.float64), norm
+
+
+def _sum_in_place(tensors: Sequence[torch.Tensor], group,
+                  divisor: int = 1) -> None:
+    """Sum ``tensors`` over the processes of ``group`` (then divide by
+    ``divisor``), in place: one collective per dtype, float16 and bfloat16
+    summed in float32."""
+    for same in _by_dtype(tensors):
+        dtype = torch.promote_types(same[0].dtype, torch.float32)
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in same])
+        dist.all_reduce(flat, group=group)
+        if divisor != 1:
+            flat /= divisor
+        _unflatten_into(flat, same)
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:

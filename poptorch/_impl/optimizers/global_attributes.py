@@ -17,17 +17,23 @@ are divided by the scale (and the mean reduction's divisor) before clipping
 and the update. While loss scaling is in use, float16 and bfloat16 gradients
 are unscaled in float32 so that small values survive; the update rules then
 compute in float32 and store in the parameters' dtype.
+
+A step whose gradients are spread over processes (a pipeline with one stage
+per process) updates each process's weights alone, but clips by the norm of
+all the step's gradients and skips the step everywhere when any of them
+overflowed: ``PartialGradients`` totals those statistics over the processes
+inside the traced update.
 """
 import dataclasses
 import math
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import loss_scaling
 from .loss_scaling import AutomaticLossScaling
-from .rule import cast, clip_grad_norm, in_dtype_of
+from .rule import cast, clip_grad_norm, clip_to_norm, in_dtype_of
 
 LOSS_SCALING = "loss_scaling"
 MAX_GRAD_NORM = "max_grad_norm"
@@ -88,10 +94,11 @@ class GlobalAttributes:
         return self.automatic.initial_state(
             self.automatic.start_scale(plan.loss_scaling), 0, device)
 
-    def bind(self, hyper_tail: List[Tensor],
-             state_tail: List[Tensor]) -> "StepScaling":
+    def bind(self, hyper_tail: List[Tensor], state_tail: List[Tensor],
+             partial: Optional["PartialGradients"] = None) -> "StepScaling":
         """The values inside a traced step, from its inputs after the param
-        groups' hyper-parameters and state."""
+        groups' hyper-parameters and state; ``partial`` when the step holds
+        only some of the gradients."""
         inputs = dict(zip(self.variable, hyper_tail))
         if self.automatic is not None:
             scale = state_tail[0]
@@ -100,7 +107,39 @@ class GlobalAttributes:
         max_norm = inputs.get(MAX_GRAD_NORM, self.max_grad_norm)
         if isinstance(max_norm, Tensor):
             max_norm = max_norm.to(torch.float32)
-        return StepScaling(self, scale, max_norm, list(state_tail))
+        return StepScaling(self, scale, max_norm, list(state_tail), partial)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialGradients:
+    """The gradients of one process's share of a step's weights (a pipeline
+    stage's): ``counted`` says which of them this process counts in the
+    step's statistics (a weight that several stages read is counted by
+    one), ``total`` sums a 0-d float64 tensor over the processes in place
+    (a collective traced into the update graph)."""
+    counted: Tuple[bool, ...]
+    total: Callable[[Tensor], None]
+    device: torch.device
+
+    def norm(self, grads: List[Tensor]) -> Tensor:
+        """The 2-norm of every process's counted gradients."""
+        counted = [g for g, keep in zip(grads, self.counted)
+                   if keep and g.numel()]
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        if counted:
+            norms = torch._foreach_norm(counted, 2, dtype=torch.float64)
+            squares = torch.stack(norms).square().sum()
+        self.total(squares)
+        return squares.sqrt().to(torch.float32)
+
+    def all_finite(self, grads: List[Tensor]) -> Tensor:
+        """Whether every process's gradients are all finite."""
+        finite = loss_scaling.all_finite(grads)
+        overflows = torch.zeros((), dtype=torch.float64, device=self.device)
+        if finite is not None:
+            overflows = torch.logical_not(finite).to(torch.float64)
+        self.total(overflows)
+        return overflows == 0
 
 
 def _widened(grads: List[Tensor]) -> List[Tensor]:
@@ -115,6 +154,7 @@ class StepScaling:
     scale: Scalar
     max_norm: Optional[Scalar]
     state: List[Tensor]             # automatic loss scaling state in
+    partial: Optional[PartialGradients] = None
 
     def scale_loss(self, value: Tensor, factor: float) -> Tensor:
         """The loss to differentiate: ``value * scale * factor``."""
@@ -140,12 +180,16 @@ class StepScaling:
         """Gradients clipped to the global norm ``max_grad_norm``."""
         if self.max_norm is None:
             return grads
+        if self.partial is not None:
+            return clip_to_norm(grads, self.max_norm, self.partial.norm(grads))
         return clip_grad_norm(grads, self.max_norm)
 
     def finite(self, grads: List[Tensor]) -> Optional[Tensor]:
         """Automatic loss scaling: whether all gradients are finite."""
         if self.attributes.automatic is None:
             return None
+        if self.partial is not None:
+            return self.partial.all_finite(grads)
         return loss_scaling.all_finite(grads)
 
     def finish(self, finite: Optional[Tensor], params: List[Tensor],

@@ -243,6 +243,12 @@ def clip_grad_norm(grads: List[Tensor],
         return []
     norm_dtype = functools.reduce(torch.promote_types, dtypes_of(grads))
     norms = torch._foreach_norm(grads, 2, dtype=norm_dtype)
-    total_norm = torch.linalg.vector_norm(stacked(norms))
+    return clip_to_norm(grads, max_norm,
+                        torch.linalg.vector_norm(stacked(norms)))
+
+
+def clip_to_norm(grads: List[Tensor], max_norm: Union[float, Tensor],
+                 total_norm: Tensor) -> List[Tensor]:
+    """``grads`` scaled by ``min(max_norm / (total_norm + 1e-6), 1)``."""
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    return torch._foreach_mul(grads, scale)
+    return list(torch._foreach_mul(grads, scale)) if grads else []
