@@ -418,6 +418,61 @@ def test_replicated_inference_of_a_multi_stage_model(make_strategy):
     close(model(x), net(x))
 
 
+def _per_replica_buffers_reference(twin, x, y, replicas, calls):
+    """Plain PyTorch: each replica with its own BatchNorm buffers
+    (functional_call), one SGD step per iteration on the mean gradient of
+    the G x R micro-batches, taken in [D, G, R] order; per call, the loss
+    of each micro-batch."""
+    params = dict(twin.named_parameters())
+    buffer_sets = [{name: b.clone() for name, b in twin.named_buffers()}
+                   for _ in range(replicas)]
+    optimizer = _sgd(twin)
+    per_call = []
+    for call in range(calls):
+        losses = []
+        blocks = zip(x[call].split(BATCH), y[call].split(BATCH))
+        for _ in range(ITERATIONS):
+            optimizer.zero_grad()
+            for _ in range(ACCUMULATION):
+                for replica in range(replicas):
+                    _, loss = torch.func.functional_call(
+                        twin, (params, buffer_sets[replica]), next(blocks))
+                    (loss / (ACCUMULATION * replicas)).backward()
+                    losses.append(loss.detach())
+            optimizer.step()
+        per_call.append(torch.stack(losses))
+    return per_call, buffer_sets
+
+
+@parametrize_strategies(TWO_SCHEDULES)
+def test_replicas_keep_their_own_buffers_across_the_stages(make_strategy):
+    """With broadcastBuffers(False), each replica's micro-batches read and
+    update its own BatchNorm statistics in the stage that holds them."""
+    net, twin = four_blocks_pair()
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION, replicas=2,
+                     broadcastBuffers=False,
+                     setExecutionStrategy=make_strategy(),
+                     outputMode=poptorch.OutputMode.All), _sgd(net))
+    data = [make_data(2 * ROWS, seed=call) for call in range(2)]
+    losses = [model(x, y)[1] for x, y in data]
+    expected, buffer_sets = _per_replica_buffers_reference(
+        twin, [x for x, _ in data], [y for _, y in data], 2, 2)
+    for got, want in zip(losses, expected):
+        close(got.reshape(want.shape), want)
+    model.copyWeightsToHost()
+    for (name, value), (_, expected) in zip(net.named_parameters(),
+                                            twin.named_parameters()):
+        close(value, expected, msg=name)
+    for name, value in net.named_buffers():
+        close(value, buffer_sets[0][name])
+    state = model._state
+    for name, value in zip(state.buffer_names, state.buffers[1]):
+        close(value, buffer_sets[1][name])
+    assert not torch.equal(buffer_sets[0]["bn.running_mean"],
+                           buffer_sets[1]["bn.running_mean"])
+
+
 # --- errors ------------------------------------------------------------------
 
 class Backwards(torch.nn.Module):
@@ -459,12 +514,6 @@ ERRORS = {
             poptorch.SerialPhasedExecution(["b"], ["a"]))), _sgd, 3 * BATCH,
         r"stage 0 \(block\(s\) b\) uses a value computed in stage 1 "
         r"\(block\(s\) a\), which runs after it"),
-    "replicas-with-own-buffers": (
-        FourBlocks, lambda: options(1, ACCUMULATION, replicas=2,
-                                    broadcastBuffers=False),
-        _sgd, 2 * ACCUMULATION * BATCH,
-        "4 stages, and replicationFactor is 2 with broadcastBuffers.False.: "
-        "replicas keeping their own buffers are not available"),
     "running-mean-with-shared-weights": (
         Crossing, lambda: _running_mean_options(setExecutionStrategy=(
             poptorch.ShardedExecution()), autoRoundNumIPUs=True),

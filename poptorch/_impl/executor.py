@@ -213,8 +213,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             layout, self._options.Distributed.numProcesses,
             bool(analysis.written_inputs),
             len({p.stage_id for p in plan.placements.values()}),
-            self._training, self._buffer_sets() > 1,
-            bool(self._replicas.grouped))
+            self._training, bool(self._replicas.grouped))
         graph = stages.trace_forward(model_call, analysis, state.params,
                                      state.buffers[0], micro, self._training,
                                      self._training_flags)
@@ -231,7 +230,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                       "apply to multi-stage models: their stage partitions "
                       "run as captured graphs under autograd")
         self._staged = staged_execution.StagedExecution(
-            staged, plan.strategy, state.params, trainable, state.buffers[0],
+            staged, plan.strategy, state.params, trainable, state.buffers,
             state.device, self._training, state.param_names)
 
     def _compile_inference(self, model_call, analysis, state, inputs) -> None:
@@ -422,7 +421,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         """A multi-stage model's call (``staged_execution.py``)."""
         if not self._training:
             self._staged.run_inference(self._state.params,
-                                       self._state.buffers[0], split,
+                                       self._state.buffers, split,
                                        self._layout, collector)
             return
         self._run_training(replication.LoopArguments(

@@ -18,7 +18,7 @@ sums the micro-batches' gradients into each parameter's ``.grad`` (no
 scaling); the loss it differentiates is the model's loss scaled for the
 step (loss scaling, reduction).
 """
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
 from .distributed import process_group
 from .distributed.pipeline_processes import PipelineProcesses
 from .logger import info_once
-from .stages import StageModule, input_name
+from .stages import StageModule
 
 
 def _single_process_group() -> None:
@@ -71,12 +71,12 @@ class PipelineSchedule:
     def _loss(self, output, target) -> torch.Tensor:
         return self._scale_loss(output[-1])
 
-    def run(self, inputs: List[torch.Tensor], micro_batches: int,
+    def run(self, stacked: Dict[str, torch.Tensor], micro_batches: int,
             scale_loss: Callable) -> None:
-        """One training step over the micro-batches stacked in ``inputs``
-        (first dimension: the micro-batch); ``scale_loss`` gives the loss
-        to differentiate from the model's loss."""
+        """One training step over the micro-batches stacked in ``stacked``
+        (the stages' keyword arguments, first dimension: the micro-batch);
+        ``scale_loss`` gives the loss to differentiate from the model's
+        loss."""
         self._scale_loss = scale_loss
-        kwargs = {input_name(i): t for i, t in enumerate(inputs)}
         self._schedule.step(target=torch.zeros(micro_batches),
-                            return_outputs=False, **kwargs)
+                            return_outputs=False, **stacked)

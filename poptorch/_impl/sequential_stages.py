@@ -13,13 +13,13 @@ CPU, host and device memory are the same and this has no effect (logged
 once).
 """
 import contextlib
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..enums import Liveness
 from .logger import info_once
-from .stages import StageModule, input_name
+from .stages import StageModule
 
 
 class SequentialSchedule:
@@ -40,13 +40,14 @@ class SequentialSchedule:
             return torch.autograd.graph.save_on_cpu(pin_memory=True)
         return contextlib.nullcontext()
 
-    def run(self, inputs: List[torch.Tensor], micro_batches: int,
+    def run(self, stacked: Dict[str, torch.Tensor], micro_batches: int,
             scale_loss: Optional[Callable] = None) -> None:
         """Forward (and, with ``scale_loss``, backward) passes of the
-        micro-batches stacked in ``inputs``."""
+        micro-batches stacked in ``stacked`` (the stages' keyword
+        arguments)."""
         for index in range(micro_batches):
-            kwargs = {input_name(i): t[index:index + 1]
-                      for i, t in enumerate(inputs)}
+            kwargs = {name: t[index:index + 1]
+                      for name, t in stacked.items()}
             carried = ()
             for module in self._modules:
                 with self._phase_memory():

@@ -25,14 +25,15 @@ update in each; clipping and automatic loss scaling take the statistics of
 every stage's gradients.
 
 With R replicas in one process, the G x R micro-batches of a step all go
-through the stages and share one update (replicas hold identical weights).
+through the stages and share one update (replicas hold identical weights);
+with ``broadcastBuffers(False)`` each micro-batch reads and writes its
+replica's buffers.
 
 Not available yet with several stages (each raises ``poptorch.Error`` at
-compilation): replicas keeping their own buffers, grouped weights,
-replication in a multi-process run, models
-writing to their input tensors, the ``Running`` mean reduction with
-weights shared between stages. The stage graphs run as captured graphs under autograd, with every
-backend.
+compilation): grouped weights, replication in a multi-process run,
+models writing to their input tensors, the ``Running`` mean reduction with
+weights shared between stages. The stage graphs run as captured graphs
+under autograd, with every backend.
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -49,7 +50,8 @@ from .optimizers.global_attributes import PartialGradients
 from .outputs import OutputCollector
 from .pipeline import PipelineSchedule
 from .sequential_stages import SequentialSchedule
-from .stages import StagedGraph, StageModule, StageState
+from .stages import (REPLICA_KEY, StagedGraph, StageModule, StageState,
+                     input_name)
 from .strategies import PipelinedExecution, _PhasedExecution
 from .training_step import (StepSettings, TrainingLayout, trace_update_step,
                             update_donation)
@@ -61,17 +63,13 @@ def _what(stages: int) -> str:
 
 def check_supported(layout: BatchLayout, processes: int,
                     written_inputs: bool, stages: int, training: bool,
-                    per_replica_buffers: bool, grouped: bool) -> None:
+                    grouped: bool) -> None:
     """Raise ``poptorch.Error`` for what several stages cannot run yet."""
     what = _what(stages)
-    if layout.replicas > 1 and (processes > 1 or per_replica_buffers):
-        raise Error(f"{what} replicationFactor is {layout.replicas} "
-                    + ("in a multi-process run: use replicationFactor(1) and "
-                       "K x R processes for R pipelines of K stages."
-                       if processes > 1 else
-                       "with broadcastBuffers(False): replicas keeping their "
-                       "own buffers are not available for multi-stage models "
-                       "yet."))
+    if layout.replicas > 1 and processes > 1:
+        raise Error(f"{what} replicationFactor is {layout.replicas} in a "
+                    "multi-process run: use replicationFactor(1) and K x R "
+                    "processes for R pipelines of K stages.")
     if grouped:
         raise Error(f"{what} weights have replica groups (replicaGrouping): "
                     "grouped weights are not available for multi-stage "
@@ -115,14 +113,14 @@ class StagedExecution:
     """The stages of a model and the schedule that runs them."""
 
     def __init__(self, staged: StagedGraph, strategy, params, trainable,
-                 buffers, device: torch.device, training: bool,
+                 buffer_sets, device: torch.device, training: bool,
                  param_names: List[str]) -> None:
         self._staged = staged
         self._param_names = param_names
         self._owners = staged.param_owners()
         self._strategy = strategy
         self._device = device
-        self._view = StageState(params, trainable, buffers)
+        self._view = StageState(params, trainable, buffer_sets)
         self._modules = [StageModule(staged, index, self._view, training)
                          for index in range(len(staged.stages))]
         self._last = self._modules[-1]
@@ -197,16 +195,16 @@ class StagedExecution:
         self._last.recorded.clear()
 
     def run_inference(self, params: List[torch.Tensor],
-                      buffers: List[torch.Tensor],
+                      buffer_sets: List[List[torch.Tensor]],
                       inputs: List[torch.Tensor], layout: BatchLayout,
                       collector: OutputCollector) -> None:
         """One inference call: the D x R micro-batches through the
         stages."""
-        self._view.rebind(params, buffers)
+        self._view.rebind(params, buffer_sets)
         positions = [(iteration, 0, replica)
                      for iteration in range(layout.device_iterations)
                      for replica in range(layout.replicas)]
-        self._schedule.run(_stacked(inputs, positions, layout),
+        self._schedule.run(self._stacked(inputs, positions, layout),
                            len(positions))
         self._collect(collector, positions, layout)
 
@@ -218,7 +216,8 @@ class StagedExecution:
         if self._processes is not None:
             self._processes.check_same_inputs(inputs)
         for iteration in range(layout.device_iterations):
-            self._view.rebind(training.merge(state.trainable, state.frozen), state.buffer_sets[0])
+            self._view.rebind(training.merge(state.trainable, state.frozen),
+                              state.buffer_sets)
             scaling = self._settings.attributes.bind(
                 state.hyper[training.hyper_size():],
                 state.optimizer[training.state_size():])
@@ -228,7 +227,7 @@ class StagedExecution:
                          for replica in range(layout.replicas)]
             with torch.enable_grad():
                 self._schedule.run(
-                    _stacked(inputs, positions, layout), len(positions),
+                    self._stacked(inputs, positions, layout), len(positions),
                     lambda loss: scaling.scale_loss(loss, factor))
             grads = self._view.gradients(training.trainable)
             self._combine_over_processes(grads)
@@ -236,7 +235,14 @@ class StagedExecution:
             self._update(state, grads)
         if self._processes is not None:
             self._processes.broadcast_from_owners(self._owned(state))
-        self._view.rebind(training.merge(state.trainable, state.frozen), state.buffer_sets[0])
+        self._view.rebind(training.merge(state.trainable, state.frozen),
+                          state.buffer_sets)
+
+    def _stacked(self, inputs: List[torch.Tensor],
+                 positions: List[Tuple[int, int, int]],
+                 layout: BatchLayout) -> Dict[str, torch.Tensor]:
+        return _stacked(inputs, positions, layout,
+                        len(self._view.buffer_sets) > 1)
 
     def _combine_over_processes(self, grads: List[torch.Tensor]) -> None:
         """In a multi-process pipeline: the gradients of weights read by
@@ -277,7 +283,8 @@ class StagedExecution:
             owned[stage].append(state.trainable[position])
             owned[stage].extend(state.optimizer[i] for i in state_of[position])
         for stage, written in enumerate(self._staged.buffer_writers()):
-            owned[stage].extend(state.buffer_sets[0][i] for i in written)
+            for buffers in state.buffer_sets:
+                owned[stage].extend(buffers[i] for i in written)
         return owned
 
 
@@ -328,10 +335,17 @@ class _PartialUpdate:
 
 
 def _stacked(inputs: List[torch.Tensor],
-             positions: List[Tuple[int, int, int]],
-             layout: BatchLayout) -> List[torch.Tensor]:
-    """The micro-batches at (iteration, step, replica) ``positions``,
-    stacked along a new first dimension."""
+             positions: List[Tuple[int, int, int]], layout: BatchLayout,
+             per_replica_buffers: bool) -> Dict[str, torch.Tensor]:
+    """The stages' keyword arguments for the micro-batches at (iteration,
+    step, replica) ``positions``, stacked along a new first dimension: the
+    micro-batch tensors and, when replicas keep their own buffers, the
+    replica indices (on the host)."""
     micro = [micro_batch(inputs, iteration, step, layout.data_index(replica))
              for iteration, step, replica in positions]
-    return [torch.stack([m[i] for m in micro]) for i in range(len(inputs))]
+    stacked = {input_name(i): torch.stack([m[i] for m in micro])
+               for i in range(len(inputs))}
+    if per_replica_buffers:
+        stacked[REPLICA_KEY] = torch.tensor([replica for _, _, replica
+                                             in positions])
+    return stacked

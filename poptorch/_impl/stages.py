@@ -150,7 +150,9 @@ def segments(stage: partition.Part) -> List[partition.Part]:
 class StageState:
     """The tensors the stages read: parameters (the trainable ones as
     ``nn.Parameter`` leaves whose ``.grad`` collects the step's gradient
-    sum) and the buffers, which stages replace as they write them.
+    sum) and the buffers, which stages replace as they write them: one set,
+    or one per replica when replicas keep their own buffers (a micro-batch
+    then says its replica under ``REPLICA_KEY``).
 
     With ``combine_gradients`` (an ``accum_type`` other than a parameter's
     dtype, or the ``Running`` mean), each micro-batch's gradient is instead
@@ -159,12 +161,12 @@ class StageState:
     does)."""
 
     def __init__(self, params: List[torch.Tensor], trainable: Sequence[int],
-                 buffers: List[torch.Tensor]) -> None:
+                 buffer_sets: List[List[torch.Tensor]]) -> None:
         trainable = set(trainable)
         self.params: List[torch.Tensor] = [
             torch.nn.Parameter(t, requires_grad=True) if i in trainable
             else t for i, t in enumerate(params)]
-        self.buffers = buffers
+        self.buffer_sets = buffer_sets
         self._reduction: Optional[GradientReduction] = None
         self._combined: Dict[int, List[torch.Tensor]] = {}
 
@@ -184,14 +186,19 @@ class StageState:
         param.grad = None
 
     def rebind(self, params: List[torch.Tensor],
-               buffers: List[torch.Tensor]) -> None:
+               buffer_sets: List[List[torch.Tensor]]) -> None:
         """Point the stages at the current device state."""
         for i, tensor in enumerate(params):
             if isinstance(self.params[i], torch.nn.Parameter):
                 self.params[i].data = tensor
             else:
                 self.params[i] = tensor
-        self.buffers = buffers
+        self.buffer_sets = buffer_sets
+
+    def buffers(self, inputs: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+        """The buffers of the micro-batch's replica."""
+        replica = inputs.get(REPLICA_KEY)
+        return self.buffer_sets[0 if replica is None else int(replica[0])]
 
     def gradients(self, indices: Sequence[int]) -> List[torch.Tensor]:
         """The summed (combined) gradients of parameters ``indices`` (zeros
@@ -211,8 +218,9 @@ class StageState:
 
 class StageModule(torch.nn.Module):
     """One stage: ``forward(*activations, **micro_batch)``, where each
-    micro-batch tensor comes with a leading dimension of size 1 (a schedule
-    cuts the stacked micro-batches of a step along it).
+    micro-batch tensor (and the replica index, see ``StageState``) comes
+    with a leading dimension of size 1 (a schedule cuts the stacked
+    micro-batches of a step along it).
 
     ``skip_effects_once`` makes the first call a dry run (no buffer written,
     no output recorded), for the pipeline schedule's shape inference."""
@@ -234,13 +242,14 @@ class StageModule(torch.nn.Module):
                     isinstance(state.params[i], torch.nn.Parameter):
                 self.register_parameter(f"param{i}", state.params[i])
 
-    def _source(self, index: int, inputs: Dict[str, torch.Tensor]):
+    def _source(self, index: int, buffers: List[torch.Tensor],
+                inputs: Dict[str, torch.Tensor]):
         staged = self.staged
         if index < staged.num_params:
             return self.state.params[index]
         index -= staged.num_params
         if index < staged.num_buffers:
-            return self.state.buffers[index]
+            return buffers[index]
         return inputs[input_name(index - staged.num_buffers)][0]
 
     def forward(self, *carried: torch.Tensor, **inputs: torch.Tensor):
@@ -249,7 +258,8 @@ class StageModule(torch.nn.Module):
             carried = tuple(_as_differentiable_leaf(t) for t in carried)
         if self.skip_effects_once:
             _zero_in_place(carried)
-        stage_inputs = list(carried) + [self._source(i, inputs)
+        buffers = self.state.buffers(inputs)
+        stage_inputs = list(carried) + [self._source(i, buffers, inputs)
                                         for i in self.part.sources]
         if self.segments:
             result = self._run_segments(stage_inputs)
@@ -262,17 +272,18 @@ class StageModule(torch.nn.Module):
         if self.skip_effects_once:
             self.skip_effects_once = False
         else:
-            self._apply_effects(own)
+            self._apply_effects(own, buffers)
         if not self.is_last:
             return passed
         return tuple(own[-(self.staged.num_outputs +
                            int(self.staged.has_loss)):])
 
-    def _apply_effects(self, own: List[torch.Tensor]) -> None:
+    def _apply_effects(self, own: List[torch.Tensor],
+                       buffers: List[torch.Tensor]) -> None:
         written = self.staged.written_buffers
         for position, value in zip(self.part.own_outputs, own):
             if position < len(written):
-                self.state.buffers[written[position]] = value.detach()
+                buffers[written[position]] = value.detach()
         if self.is_last:
             results = own[len(own) - self.staged.num_outputs -
                           int(self.staged.has_loss):]
@@ -295,6 +306,11 @@ class StageModule(torch.nn.Module):
 def input_name(index: int) -> str:
     """The keyword under which stages receive micro-batch tensor ``index``."""
     return f"input{index}"
+
+
+#: The keyword under which stages receive the micro-batch's replica index
+#: (when replicas keep their own buffers).
+REPLICA_KEY = "replica"
 
 
 def _as_differentiable_leaf(tensor: torch.Tensor) -> torch.Tensor:
