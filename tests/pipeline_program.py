@@ -1,5 +1,6 @@
 """A model of two pipeline stages trained by several processes (one stage
-per process) for the multi-process pipeline tests.
+per process, or under poprun with whole replicas per instance, all the
+stages in each process) for the multi-process pipeline tests.
 
     pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
         [--different-inputs] [--dataloader] [--tied] [--clip NORM]
@@ -12,11 +13,11 @@ and its optimizer state to ``OUTPUT_DIR/process<i>.pt``. The processes of
 pipeline p (process id // K) get the data ``data(K, N, p)``; with
 ``--different-inputs``, process 1 gets pipeline 1's instead; with
 ``--dataloader``, a poptorch.DataLoader over every pipeline's data hands
-each pipeline its part (under poprun). The processes
-start from different weights (seed 1 + process id), so equal results show
-that they share process 0's. The first block's linear layer is anchored
-(``ANCHOR``), and its values in the last call are saved too. ``--tied`` makes the last block also apply the
-first block's weight (a weight two stages read), ``--clip`` clips the
+each replica its part (under poprun). The processes start from different
+weights (seed 1 + process id), so equal results show that they share
+process 0's. The first block's linear layer is anchored (``ANCHOR``), and
+its values in the last call are saved too. ``--tied`` makes the last block
+also apply the first block's weight (a weight two stages read), ``--clip`` clips the
 gradient norm (``max_grad_norm``), ``--loss-scale`` turns automatic loss
 scaling on, starting from SCALE, and gives the last block a weight whose
 gradient is ``LOUDNESS`` times its output's (so that one stage's gradients
@@ -123,6 +124,9 @@ def main() -> None:
     parser.add_argument("--loss-scale", type=float)
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
+    replicas = int(os.environ.get(
+        "POPDIST_NUM_TOTAL_REPLICAS",
+        int(os.environ["WORLD_SIZE"]) // arguments.stages))
     pipeline = process // arguments.stages
     if arguments.different_inputs and process == 1:
         pipeline = 1
@@ -131,8 +135,8 @@ def main() -> None:
                 loud=arguments.loss_scale is not None)
     options = poptorch.Options().deviceIterations(ITERATIONS)
     options.autoRoundNumIPUs(True)
-    if int(os.environ["WORLD_SIZE"]) > arguments.stages:
-        options.broadcastBuffers(False)   # each pipeline its own statistics
+    if replicas > 1:
+        options.broadcastBuffers(False)   # each replica its own statistics
     options.Training.gradientAccumulation(accumulation(arguments.stages))
     options.outputMode(poptorch.OutputMode.All)
     options.anchorTensor("first", ANCHOR)
@@ -146,9 +150,7 @@ def main() -> None:
     model = poptorch.trainingModel(net, options, sgd)
     if arguments.dataloader:
         calls = poptorch.DataLoader(options, every_pipelines_data(
-            arguments.stages, arguments.calls,
-            int(os.environ["WORLD_SIZE"]) // arguments.stages),
-            batch_size=BATCH)
+            arguments.stages, arguments.calls, replicas), batch_size=BATCH)
     else:
         calls = data(arguments.stages, arguments.calls, pipeline)
     results = [model(x, y) for x, y in calls]

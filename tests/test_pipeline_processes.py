@@ -100,19 +100,21 @@ def _plain_training(stages: int, pipelines: int, calls: int = 2,
 
 
 def _check_processes(output, stages: int, pipelines: int,
-                     **settings) -> None:
+                     per_pipeline: Optional[int] = None, **settings) -> None:
     """Every process returned its pipeline's outputs and holds the trained
     weights and optimizer state (of the training ``settings``); with several
     pipelines, each keeps its own BatchNorm statistics
-    (``broadcastBuffers(False)``), the same in all its processes."""
+    (``broadcastBuffers(False)``), the same in all its processes. A pipeline
+    has ``per_pipeline`` processes (default: one per stage)."""
+    per_pipeline = per_pipeline or stages
     weights, momentum, outputs, losses, anchored = _plain_training(
         stages, pipelines, **settings)
     parameters = {name for name, _ in program.Chain(
         stages, loud=settings.get("loss_scale") is not None
     ).named_parameters()}
-    for process in range(stages * pipelines):
+    for process in range(per_pipeline * pipelines):
         saved = torch.load(os.path.join(output, f"process{process}.pt"))
-        pipeline = process // stages
+        pipeline = process // per_pipeline
         for got, expected in zip(saved["losses"], losses[pipeline]):
             torch.testing.assert_close(got.reshape(expected.shape),
                                        expected, **TOLERANCE)
@@ -125,8 +127,8 @@ def _check_processes(output, stages: int, pipelines: int,
             if pipelines == 1 or name in parameters:
                 torch.testing.assert_close(saved["weights"][name], value,
                                            **TOLERANCE)
-        first = torch.load(os.path.join(output, f"process{pipeline * stages}"
-                                                ".pt"))
+        first = torch.load(os.path.join(
+            output, f"process{pipeline * per_pipeline}.pt"))
         for name, value in first["weights"].items():
             torch.testing.assert_close(saved["weights"][name], value)
         assert len(saved["momentum"]) == len(momentum)
@@ -249,3 +251,18 @@ def test_poprun_pipelines_read_their_part_of_a_dataloader(tmp_path):
                               timeout=240, env=environment)
     assert finished.returncode == 0, finished.stderr
     _check_processes(tmp_path, stages=2, pipelines=2)
+
+
+@pytest.mark.slow
+def test_poprun_instances_of_whole_replicas_run_every_stage(tmp_path):
+    """Two replicas of a 2-stage model on two instances: each instance runs
+    both stages of its replica (PopDist's layout) and the updates average
+    the replicas' gradients."""
+    command = [sys.executable, "-m", "poptorch.run", "--num-instances", "2",
+               "--num-replicas", "2", "--ipus-per-replica", "2", PROGRAM,
+               str(tmp_path), "--dataloader"]
+    environment = dict(os.environ, POPTORCH_DISTRIBUTED_TIMEOUT="60")
+    finished = subprocess.run(command, capture_output=True, text=True,
+                              timeout=240, env=environment)
+    assert finished.returncode == 0, finished.stderr
+    _check_processes(tmp_path, stages=2, pipelines=2, per_pipeline=1)

@@ -210,7 +210,7 @@ class PoplarExecutor(CompiledExecutionMethods):
     def _build_stages(self, plan, model_call, analysis, state, micro,
                       layout: BatchLayout) -> None:
         staged_execution.check_supported(
-            layout, self._options.Distributed.numProcesses,
+            layout, distributed.stage_processes(self._options),
             bool(analysis.written_inputs),
             len({p.stage_id for p in plan.placements.values()}),
             self._training, bool(self._replicas.grouped))
@@ -245,7 +245,8 @@ class PoplarExecutor(CompiledExecutionMethods):
     def _compile_training(self, model_call, analysis, state, micro,
                           layout: BatchLayout, inputs) -> None:
         data_parallel = self._options.Distributed.numProcesses
-        if self._staged is not None:
+        if self._staged is not None and \
+                distributed.stage_processes(self._options) > 1:
             data_parallel //= self._staged.stage_count
         if analysis.written_buffers and self._options.broadcast_buffers \
                 and layout.replicas * data_parallel > 1:
@@ -286,7 +287,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._staged.prepare_training(
                 training, settings, example,
                 layout.gradient_accumulation * layout.replicas,
-                processes.pipelines(self._staged.stage_count))
+                processes.pipelines(self._staged.stage_count),
+                processes.reduce_gradients(settings.reduction))
             return
         accumulate = settings.gradients.accumulates
         summed = accumulate or self._session.backend.sums_gradients_in_buffer

@@ -13,7 +13,9 @@ point to point. The G x R micro-batches of one optimizer step form one
 schedule step.
 
 The schedule needs a torch.distributed process group: when the process has
-none, a single-process gloo group is created (logged at INFO). The schedule
+none, a single-process gloo group is created (logged at INFO); in a
+multi-process run whose processes each run all the stages, a group of this
+process alone. The schedule
 sums the micro-batches' gradients into each parameter's ``.grad`` (no
 scaling); the loss it differentiates is the model's loss scaled for the
 step (loss scaling, reduction).
@@ -31,14 +33,20 @@ from .logger import info_once
 from .stages import StageModule
 
 
-def _single_process_group() -> None:
+def _local_group() -> Optional[dist.ProcessGroup]:
+    """A group of this process alone for a schedule of all the stages (None:
+    the default group, started here when there is none)."""
     if dist.is_initialized():
-        return
+        if dist.get_world_size() == 1:
+            return None
+        return dist.new_group([dist.get_rank()],
+                              use_local_synchronization=True)
     info_once("Pipelined execution: torch.distributed.pipelining needs a "
               "process group; starting a single-process gloo group")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
     process_group.leave_at_exit()
+    return None
 
 
 class PipelineSchedule:
@@ -59,12 +67,12 @@ class PipelineSchedule:
                                           loss_fn=self._loss,
                                           scale_grads=False)
             return
-        _single_process_group()
+        group = _local_group()
         stages = []
         for module in modules:
             module.skip_effects_once = True
             stages.append(PipelineStage(module, module.index, len(modules),
-                                        device))
+                                        device, group=group))
         self._schedule = ScheduleInterleaved1F1B(
             stages, micro_batches, loss_fn=self._loss, scale_grads=False)
 

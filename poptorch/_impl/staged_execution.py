@@ -17,7 +17,10 @@ unannotated model within float tolerance.
 Anchored tensors (``anchorTensor``) are extra outputs of the forward graph
 before it is cut, so they travel to the last stage with its outputs.
 
-In an n-process run, a training model runs one stage per process
+Under ``poprun`` with whole replicas in each instance, every process runs
+all the stages of its replicas and the update all-reduces the gradients,
+as for single-graph models. Otherwise, in an n-process run, a training
+model runs one stage per process
 (``distributed/pipeline_processes.py``); each process updates its stage's
 weights and receives the others' from their owners after each call. A
 weight read by several stages gets their summed gradient and the same
@@ -150,10 +153,13 @@ class StagedExecution:
                          settings: StepSettings,
                          example: Dict[str, List[torch.Tensor]],
                          micro_batches: int,
-                         processes: Optional[PipelineProcesses]) -> None:
+                         processes: Optional[PipelineProcesses],
+                         reduce_gradients: Optional[Callable]) -> None:
         """Check the step's settings, capture the optimizer step and set up
         the schedule: with ``processes``, this process runs one stage of a
-        pipeline."""
+        pipeline; otherwise ``reduce_gradients`` (in a multi-process run
+        whose processes each run all the stages) combines the step's
+        gradients with the other processes' before the update."""
         _check_training(settings, self._staged, self._param_names)
         if _combines_gradients(settings, example["trainable"]):
             self._view.combine_gradients(settings.gradients, layout.trainable)
@@ -163,8 +169,9 @@ class StagedExecution:
             partial = processes.partial_gradients(
                 [self._owners[layout.trainable[p]][0] == processes.stage
                  for p in positions], self._device)
-        self._update = _PartialUpdate(layout, settings, example, positions,
-                                      partial)
+        self._update = _PartialUpdate(
+            layout, settings, example, positions, partial,
+            None if processes is not None else reduce_gradients)
         self._training_layout = layout
         self._settings = settings
         self._processes = processes
@@ -293,12 +300,15 @@ class _PartialUpdate:
     of their restricted layout, run by the graph backend, which writes the
     new weights and optimizer state into the old tensors
     (``backends/in_place.py``). With ``partial``, other processes hold the
-    step's other gradients (a pipeline over processes)."""
+    step's other gradients (a pipeline over processes); ``reduce_gradients``
+    all-reduces the gradients first (processes that each run all the
+    stages)."""
 
     def __init__(self, layout: TrainingLayout, settings: StepSettings,
                  example: Dict[str, List[torch.Tensor]],
                  positions: List[int],
-                 partial: Optional[PartialGradients] = None) -> None:
+                 partial: Optional[PartialGradients] = None,
+                 reduce_gradients: Optional[Callable] = None) -> None:
         part, self._state, self._hyper = layout.restricted(positions)
         self._positions = positions
         self._state_tail = layout.state_size()
@@ -307,7 +317,8 @@ class _PartialUpdate:
                    "state": self._state_of(example["state"]),
                    "hyper": self._hyper_of(example["hyper"])}
         self._step = get_backend("graph").compile(
-            trace_update_step(part, settings, example, partial), [],
+            trace_update_step(part, settings, example, partial,
+                              reduce_gradients), [],
             update_donation(example))
 
     def _state_of(self, flat: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -325,7 +325,8 @@ def step_donation(example: Dict[str, List[torch.Tensor]], running: int,
 
 def trace_update_step(layout: TrainingLayout, settings: StepSettings,
                       example: Dict[str, List[torch.Tensor]],
-                      partial: Optional[PartialGradients] = None
+                      partial: Optional[PartialGradients] = None,
+                      reduce_gradients: Optional[Callable] = None
                       ) -> torch.fx.GraphModule:
     """The optimizer step alone, for gradients computed outside the graph
     (multi-stage models, ``staged_execution.py``):
@@ -333,12 +334,16 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
     state). The gradients are those of the scaled loss combined over the
     step's micro-batches as the running gradient buffer combines them (a
     sum, or the running mean; in the buffer's dtype). With ``partial``, the
-    other processes hold the step's other gradients."""
+    other processes hold the step's other gradients; ``reduce_gradients``
+    combines the gradients with other processes' first (as in
+    ``trace_training_step``)."""
     trainable = example["trainable"]
     sizes = [len(trainable), len(trainable), len(example["state"])]
 
     def update(*flat):
         params, grads, state, hyper = split_flat(flat, sizes)
+        if reduce_gradients is not None:
+            grads = reduce_gradients(grads)
         scaling = settings.attributes.bind(hyper[layout.hyper_size():],
                                            state[layout.state_size():],
                                            partial)

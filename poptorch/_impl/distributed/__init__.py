@@ -25,7 +25,7 @@ import torch
 from ...enums import ReductionType
 from ...errors import Error
 from . import consistency, process_group
-from .environment import ProcessEnvironment
+from .environment import ProcessEnvironment, whole_replicas_per_instance
 from .gradients import gradient_reducer
 from .pipeline_processes import PipelineProcesses
 
@@ -60,10 +60,22 @@ class TrainingProcesses:
 
     def pipelines(self, stages: int) -> Optional[PipelineProcesses]:
         """For a model of ``stages`` stages, this process's place in the
-        pipelines of one stage per process (None: one process)."""
-        if self.group is None:
+        pipelines of one stage per process (None: one process, or every
+        process runs all the stages, see ``stage_processes``)."""
+        if self.group is None or whole_replicas_per_instance():
             return None
         return PipelineProcesses(self.group.rank, self.group.size, stages)
+
+
+def stage_processes(options) -> int:
+    """How many processes the stages of a multi-stage model are spread
+    over: in an n-process run, one stage per process (n), unless ``poprun``
+    placed whole replicas in each instance; then, as in a one-process run,
+    each process runs all the stages of its replicas (1)."""
+    processes = options.Distributed.numProcesses
+    if processes > 1 and whole_replicas_per_instance():
+        return 1
+    return processes
 
 
 def start_training(options, state, micro: List[torch.Tensor],

@@ -94,6 +94,13 @@ def timeout_from_environment() -> float:
     return value
 
 
+def whole_replicas_per_instance() -> bool:
+    """Whether ``poprun`` started this process with whole replicas in each
+    instance (no more instances than replicas)."""
+    return "POPDIST_NUM_INSTANCES" in os.environ and \
+        instances_per_replica() == 1
+
+
 def instances_per_replica() -> int:
     """How many consecutive processes each replica spans under ``poprun``
     (more instances than replicas: one pipeline stage per instance); 1
