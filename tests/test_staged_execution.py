@@ -473,6 +473,63 @@ def test_replicas_keep_their_own_buffers_across_the_stages(make_strategy):
                            buffer_sets[1]["bn.running_mean"])
 
 
+# --- export ------------------------------------------------------------------
+
+def test_a_saved_pipelined_training_model_loads_and_trains_on(tmp_path):
+    net, _ = four_blocks_pair()
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, ACCUMULATION,
+                     setExecutionStrategy=STRATEGIES["pipelined-stages"]()),
+        _sgd(net))
+    model(*make_data(ROWS))
+    path = tmp_path / "pipelined.poptorch"
+    model.save(path)
+    loaded = poptorch.load(path)
+    assert loaded._staged is not None
+    for call in range(1, 3):
+        data = make_data(ROWS, seed=call)
+        for expected, got in zip(model(*data), loaded(*data)):
+            close(got, expected)
+    model.copyWeightsToHost()
+    loaded.copyWeightsToHost()
+    assert_same_weights(loaded.model, net)
+
+
+class FourBlocksWithRelu(FourBlocks):
+    """FourBlocks with another activation in block "C"."""
+
+    def forward(self, x, y=None):
+        with poptorch.Block("A", ipu_id=0):
+            h = self.bn(torch.relu(self.fc1(x)))
+        with poptorch.Block("B", ipu_id=1):
+            h = torch.tanh(self.fc2(h))
+        with poptorch.Block("C", ipu_id=2):
+            h = torch.relu(self.fc3(h))
+        with poptorch.Block("D", ipu_id=3):
+            return self.fc4(h)
+
+
+def test_load_executable_of_a_multi_stage_model_checks_its_forward_pass(
+        tmp_path):
+    def sharded(net):
+        return poptorch.inferenceModel(net.eval(), options(
+            4, setExecutionStrategy=STRATEGIES["sharded"]()))
+
+    net, twin = four_blocks_pair()
+    path = tmp_path / "sharded.poptorch"
+    x, _ = make_data(4 * BATCH)
+    model = sharded(net)
+    model.compileAndExport(path, x, export_model=False)
+    fresh = sharded(twin)
+    fresh.loadExecutable(path)
+    close(fresh(x), model(x))
+    torch.manual_seed(0)
+    other = sharded(FourBlocksWithRelu())
+    with pytest.raises(poptorch.Error, match="its forward step differs from "
+                                             "the exported one"):
+        other.loadExecutable(path)
+
+
 # --- errors ------------------------------------------------------------------
 
 class Backwards(torch.nn.Module):

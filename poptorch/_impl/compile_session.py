@@ -132,6 +132,15 @@ class CompileSession:
                                f"({self.backend.name})")
         return step
 
+    def record(self, name: str, graph: torch.fx.GraphModule) -> None:
+        """Keep ``graph``, a step that runs as captured rather than
+        compiled (the forward pass of a multi-stage model), for export;
+        when loading an exported file, check that the file holds the same
+        step."""
+        self.graphs[name] = graph
+        if self.precompiled is not None:
+            self._stored_step(name, graph)
+
     def key(self, name: str) -> str:
         """The executable key of the step ``name`` (see
         ``executable_cache.executable_key``)."""
@@ -141,21 +150,27 @@ class CompileSession:
                 self.backend, graph, _example_inputs(graph), self.options)
         return self.keys[name]
 
-    def _precompiled_step(self, name: str, graph: torch.fx.GraphModule,
-                          example_inputs: List[torch.Tensor],
-                          donation: Optional[Donation]) -> CompiledStep:
-        key = self.key(name)
+    def _stored_step(self, name: str,
+                     graph: torch.fx.GraphModule) -> PrecompiledStep:
+        """The exported file's step ``name``; ``poptorch.Error`` saying what
+        differs unless it is ``graph``'s."""
         stored = self.precompiled.get(name)
-        if stored is None or stored.key != key:
+        if stored is None or stored.key != self.key(name):
             raise Error(
                 f"The model does not match the executable in "
                 f"{self.precompiled_source}: its {name} step "
                 f"{_difference(stored, graph)}. Re-create the model exactly "
                 "as it was when it was exported (same code, parameters, "
                 "optimizer and options), or export it again.")
+        return stored
+
+    def _precompiled_step(self, name: str, graph: torch.fx.GraphModule,
+                          example_inputs: List[torch.Tensor],
+                          donation: Optional[Donation]) -> CompiledStep:
+        stored = self._stored_step(name, graph)
         if stored.executable is None:
             return compile_cached(self.cache, self.backend, graph,
-                                  example_inputs, key, donation)
+                                  example_inputs, stored.key, donation)
         directory = self.cache.backend_directory if self.cache else None
         with self.backend.storage(directory):
             return self.backend.deserialize(stored.executable)

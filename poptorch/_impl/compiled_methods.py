@@ -47,10 +47,6 @@ class CompiledExecutionMethods:
         ``compileAndExport``); ``save_rng_state`` also saves the random
         number generator's seed and state, which loading restores."""
         self._require_compiled("save")
-        if self._staged is not None:
-            raise Error("save / compileAndExport: exporting a model whose "
-                        "blocks form several stages is not available yet; "
-                        "it compiles again quickly in each process instead")
         _check_bool("save export_model", export_model)
         _check_bool("save save_rng_state", save_rng_state)
         export.write(str(filename), self, export_model, save_rng_state)

@@ -222,6 +222,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         staged = stages.cut_into_stages(graph, plan.placements, analysis,
                                         len(state.params),
                                         len(state.buffers[0]), self._training)
+        self._session.record("forward", graph)
         trainable = (TrainingLayout.build(
             self._plan, analysis.params_reaching_loss,
             len(state.params)).trainable if self._training else [])

@@ -124,7 +124,7 @@ def write(filename: str, executor, export_model: bool,
         for attribute, tensor in constants.items():
             tensors[f"constants/{name}/{attribute}"] = tensor.cpu()
         executable = None
-        if export_model:
+        if export_model and name in session.steps:
             data = session.backend.serialize(session.steps[name],
                                              portable=True)
             if data is not None:
