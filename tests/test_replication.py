@@ -111,6 +111,82 @@ def test_batchnorm_statistics_stay_per_replica(twin_bn=None):
                            buffer_sets[1]["bn.running_mean"])
 
 
+def _batch_norm_ops(model) -> list:
+    graph = model._session.graphs["update"].graph
+    return [node.target for node in graph.nodes
+            if "batch_norm" in str(node.target)]
+
+
+class NormVariants(torch.nn.Module):
+    """BatchNorm1d of a given kind on a linear layer's output."""
+
+    def __init__(self, **batch_norm):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 6)
+        self.bn = torch.nn.BatchNorm1d(6, **batch_norm)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        out = self.head(torch.tanh(self.bn(self.fc(x))))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("batch_norm", [
+    {}, {"affine": False}, {"track_running_stats": False}],
+    ids=["affine", "no-affine", "no-stats"])
+def test_batchnorm_variants_run_per_replica_without_copies(batch_norm):
+    """Each replica's BatchNorm runs PyTorch's kernel on its own slice
+    (``poptorch::replica_batch_norm``, no vmap batching rule), with the
+    statistics, running averages and gradients of a replica on its own."""
+    torch.manual_seed(0)
+    net = NormVariants(**batch_norm)
+    twin = copy.deepcopy(net)
+    inputs = make_data(2 * 8)
+    model, (_, losses) = _train(net, options(
+        replicas=2, broadcastBuffers=False), inputs)
+    expected, buffer_sets = _batchnorm_reference(twin, inputs, 2)
+    assert _batch_norm_ops(model) == [
+        torch.ops.poptorch.replica_batch_norm.default,
+        torch.ops.poptorch.replica_batch_norm_backward.default]
+    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
+    for name, value in net.named_parameters():
+        torch.testing.assert_close(value, dict(twin.named_parameters())[name],
+                                   atol=1e-6, rtol=1e-5)
+    for name, value in net.named_buffers():
+        torch.testing.assert_close(value, buffer_sets[0][name])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-weight",
+                                                      "weight-per-replica"])
+def test_replica_batch_norm_equals_the_kernel_on_each_replica(shared):
+    """The op behind vectorised BatchNorm, with a weight and no bias, against
+    batch_norm on each replica's slice: outputs, running statistics and
+    gradients."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, 5, 4, requires_grad=True)
+    weight = torch.rand(5 if shared else (3, 5), requires_grad=True)
+    means, variances = torch.randn(3, 5), torch.rand(3, 5) + 0.5
+    out, _, _, new_means, new_variances = \
+        torch.ops.poptorch.replica_batch_norm(x, weight, None, means,
+                                              variances, 0.2, 1e-5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, weight], grad)
+    x_ref = x.detach().requires_grad_()
+    weight_ref = weight.detach().requires_grad_()
+    running = [means.clone(), variances.clone()]
+    expected = torch.stack([torch.nn.functional.batch_norm(
+        x_ref[r], running[0][r], running[1][r],
+        weight_ref if shared else weight_ref[r], None, True, 0.2, 1e-5)
+        for r in range(3)])
+    close = dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, expected, **close)
+    torch.testing.assert_close(new_means, running[0], **close)
+    torch.testing.assert_close(new_variances, running[1], **close)
+    for value, reference in zip(got, torch.autograd.grad(
+            expected, [x_ref, weight_ref], grad)):
+        torch.testing.assert_close(value, reference, **close)
+
+
 class _Doubler(torch.autograd.Function):
     """An autograd.Function without a vmap rule."""
 

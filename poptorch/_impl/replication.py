@@ -14,7 +14,9 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   ops that couple samples runs as one batch of R x S samples, and
   reductions over the batch stay per replica: each replica's loss (a
   mean-reduced loss is the mean over its own S samples), BatchNorm
-  statistics and outputs are exactly those of a replica run on its own.
+  statistics and outputs are exactly those of a replica run on its own
+  (BatchNorm in training runs each replica's slice through PyTorch's kernel
+  without the batching rule's copies, ``replica_batch_norm.py``).
   The backward pass starts from the replicas' mean loss for
   ``ReductionType.Mean`` (their sum for ``Sum``), so the step is one
   micro-batch of the G in an optimizer step (``step_replicas``): since the
@@ -50,6 +52,7 @@ from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                       trace_user_code)
 from .logger import logger
 from .outputs import OutputCollector
+from .replica_batch_norm import per_replica_statistics
 from .replica_grouping import GroupedWeights, ReplicaGrouping
 from .training_step import micro_batch_forward, trace_training_step
 
@@ -186,9 +189,10 @@ class ReplicaExecution:
             params, inputs, param_dims, input_dims = self._per_replica(
                 params, inputs, reduction)
             dims = (param_dims, self._written_dims(len(buffers)), input_dims)
-            return torch.func.vmap(micro, in_dims=dims,
-                                   randomness="different")(
-                                       params, buffers, inputs)
+            with per_replica_statistics():
+                return torch.func.vmap(micro, in_dims=dims,
+                                       randomness="different")(
+                                           params, buffers, inputs)
 
         return forward
 
