@@ -17,6 +17,7 @@ import torch
 
 import poptorch
 from poptorch._impl.backends import backend as backend_module
+from poptorch._impl.backends import vector_isa
 from poptorch._impl.serialization.graph_format import (deserialize_graph,
                                                        serialize_graph)
 from conftest import BatchNormNet, make_images, options
@@ -247,10 +248,18 @@ sys.path.insert(0, {tests!r})
 import poptorch
 from poptorch._impl.backends import inductor
 from conftest import BatchNormNet, make_images, options
+from torch._inductor import cpu_vec_isa
 if {forbid_compile}:
     def refuse(*args, **kwargs):
         raise AssertionError("compiled instead of using the cache")
     inductor.InductorBackend.compile = refuse
+if {forbid_probe}:
+    probe = cpu_vec_isa.VecISA.check_build
+    def no_probe(isa, code):
+        if code == cpu_vec_isa.VecISA._avx_code:
+            raise AssertionError("probed the vector instruction sets again")
+        return probe(isa, code)
+    cpu_vec_isa.VecISA.check_build = no_probe
 torch.manual_seed(0)
 opts = options(2).setBackend("inductor").enableExecutableCaching({cache!r})
 net = BatchNormNet()
@@ -261,18 +270,69 @@ torch.save(torch.stack(losses), {result!r})
 '''
 
 
-def _run_child(tmp_path, forbid_compile):
+def _run_child(tmp_path, forbid_compile, forbid_probe=False):
     result = tmp_path / "losses.pt"
     code = _CHILD.format(tests=TESTS, cache=str(tmp_path / "cache"),
-                         result=str(result), forbid_compile=forbid_compile)
+                         result=str(result), forbid_compile=forbid_compile,
+                         forbid_probe=forbid_probe)
     subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=True)
     return torch.load(result)
 
 
 @pytest.mark.slow
 def test_a_second_process_loads_inductor_steps_from_the_cache(tmp_path):
+    """... without compiling, and without Inductor's probe of each of the
+    CPU's vector instruction sets where the first process recorded that
+    they all passed (``backends/vector_isa.py``)."""
     first = _run_child(tmp_path, forbid_compile=False)
-    second = _run_child(tmp_path, forbid_compile=True)
+    record = tmp_path / "cache" / "inductor" / vector_isa.RECORD
+    if vector_isa.machine() is not None:
+        assert record.exists() == _all_sets_passed()
+    second = _run_child(tmp_path, forbid_compile=True,
+                        forbid_probe=record.exists())
     assert torch.equal(first, second)
     torch.testing.assert_close(second, _losses(_reference()), atol=1e-5,
                                rtol=1e-4)
+
+
+def _all_sets_passed() -> bool:
+    """Whether Inductor's probe passes every instruction set the CPU
+    reports (probing in this process)."""
+    from torch._inductor import cpu_vec_isa
+    cpu_vec_isa.valid_vec_isa_list()
+    return vector_isa._all_passed(vector_isa.machine())
+
+
+@pytest.fixture
+def isa_machine():
+    current = vector_isa.machine()
+    if current is None:
+        pytest.skip("Inductor probes instruction sets on x86-64 Linux only")
+    return current
+
+
+def test_a_recorded_check_of_this_machine_is_trusted(tmp_path, isa_machine):
+    from torch._inductor import config
+    (tmp_path / vector_isa.RECORD).write_text(json.dumps(isa_machine))
+    with vector_isa.remembered_check(str(tmp_path)):
+        assert config.cpp.vec_isa_ok is True
+    assert config.cpp.vec_isa_ok is None
+
+
+def test_a_record_of_another_machine_is_not_trusted(tmp_path, isa_machine):
+    from torch._inductor import config
+    other = dict(isa_machine, cpu=isa_machine["cpu"] + ["avx10"])
+    (tmp_path / vector_isa.RECORD).write_text(json.dumps(other))
+    with vector_isa.remembered_check(str(tmp_path)):
+        assert config.cpp.vec_isa_ok is None
+
+
+@pytest.mark.slow
+def test_a_process_that_probed_records_the_outcome(tmp_path, isa_machine):
+    from torch._inductor import cpu_vec_isa
+    with vector_isa.remembered_check(str(tmp_path)):
+        cpu_vec_isa.valid_vec_isa_list()
+    record = tmp_path / vector_isa.RECORD
+    assert record.exists() == _all_sets_passed()
+    if record.exists():
+        assert json.loads(record.read_text()) == isa_machine

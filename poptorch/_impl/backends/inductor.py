@@ -10,7 +10,8 @@ and loaded in another process without compiling the graph again. The
 kernels' binaries live in Inductor's cache directory (``storage`` points it
 into the executable cache); portable bytes (exported files) also carry
 them, so that loading on another machine of the same kind compiles
-nothing.
+nothing. The cache also remembers Inductor's check of the CPU's vector
+instruction sets (``vector_isa.py``).
 
 Compilation takes seconds (10-25 s for small models on 2 CPU cores), so the
 backend pays off for long runs; the executable cache and exported files
@@ -33,6 +34,7 @@ from ...errors import Error
 from ..logger import logger
 from .backend import Backend, CompiledStep, register
 from .in_place import Donation
+from .vector_isa import remembered_check
 
 _PORTABLE = b"poptorch-inductor-portable\n"
 _ARTIFACT = "artifact.bin"
@@ -96,7 +98,7 @@ class InductorBackend(Backend):
             return
         from torch._inductor.runtime.cache_dir_utils import \
             temporary_cache_dir
-        with temporary_cache_dir(directory):
+        with temporary_cache_dir(directory), remembered_check(directory):
             yield
 
 
