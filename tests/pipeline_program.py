@@ -4,7 +4,7 @@ stages in each process) for the multi-process pipeline tests.
 
     pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
         [--different-inputs] [--dataloader] [--tied] [--clip NORM]
-        [--loss-scale SCALE]
+        [--loss-scale SCALE] [--fail kill|raise]
 
 Every process trains ``Chain`` (K blocks, one per IPU) with
 ``PipelinedExecution`` for N calls of D = 2 iterations of G = 2K - 1
@@ -21,7 +21,8 @@ also apply the first block's weight (a weight two stages read), ``--clip`` clips
 gradient norm (``max_grad_norm``), ``--loss-scale`` turns automatic loss
 scaling on, starting from SCALE, and gives the last block a weight whose
 gradient is ``LOUDNESS`` times its output's (so that one stage's gradients
-overflow first).
+overflow first). With ``--fail``, process 1 kills itself or raises before
+its second call.
 """
 import argparse
 import os
@@ -112,6 +113,12 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_subclass(torch.Tensor)
 
 
+def fail(how: str) -> None:
+    if how == "kill":
+        os.kill(os.getpid(), 9)
+    raise ValueError("process 1 gives up")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output")
@@ -122,6 +129,7 @@ def main() -> None:
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--clip", type=float)
     parser.add_argument("--loss-scale", type=float)
+    parser.add_argument("--fail", choices=["kill", "raise"])
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
     replicas = int(os.environ.get(
@@ -153,7 +161,11 @@ def main() -> None:
             arguments.stages, arguments.calls, replicas), batch_size=BATCH)
     else:
         calls = data(arguments.stages, arguments.calls, pipeline)
-    results = [model(x, y) for x, y in calls]
+    results = []
+    for call, (x, y) in enumerate(calls):
+        if call == 1 and process == 1 and arguments.fail:
+            fail(arguments.fail)
+        results.append(model(x, y))
     model.copyWeightsToHost()
     torch.save({"outputs": [plain(r[0]) for r in results],
                 "losses": [plain(r[1]) for r in results],

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from typing import Optional
 
 import pytest
@@ -266,3 +267,17 @@ def test_poprun_instances_of_whole_replicas_run_every_stage(tmp_path):
                               timeout=240, env=environment)
     assert finished.returncode == 0, finished.stderr
     _check_processes(tmp_path, stages=2, pipelines=2, per_pipeline=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, reason", [
+    ("kill", "process 1 died"),
+    ("raise", "process 1 raised ValueError: process 1 gives up")])
+def test_the_other_stage_stops_naming_a_failed_process(tmp_path, how,
+                                                        reason):
+    start = time.monotonic()
+    (code, err), _ = _run(tmp_path, 2, "--fail", how)
+    assert code != 0
+    assert "poptorch.errors.Error: Distributed run: " + reason in err
+    assert "Process 0 of 2 stops (the pipeline's call cannot complete" in err
+    assert time.monotonic() - start < 60

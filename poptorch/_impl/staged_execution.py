@@ -219,9 +219,17 @@ class StagedExecution:
                      layout: BatchLayout, collector: OutputCollector) -> None:
         """One training call: D optimizer steps of G x R micro-batches
         each."""
-        training = self._training_layout
-        if self._processes is not None:
+        if self._processes is None:
+            self._run_steps(state, inputs, layout, collector)
+            return
+        with self._processes.monitor.explaining("the pipeline's call"):
             self._processes.check_same_inputs(inputs)
+            self._run_steps(state, inputs, layout, collector)
+            self._processes.broadcast_from_owners(self._owned(state))
+
+    def _run_steps(self, state: TrainingState, inputs: List[torch.Tensor],
+                   layout: BatchLayout, collector: OutputCollector) -> None:
+        training = self._training_layout
         for iteration in range(layout.device_iterations):
             self._view.rebind(training.merge(state.trainable, state.frozen),
                               state.buffer_sets)
@@ -240,8 +248,6 @@ class StagedExecution:
             self._combine_over_processes(grads)
             self._collect(collector, positions, layout, state.trainable)
             self._update(state, grads)
-        if self._processes is not None:
-            self._processes.broadcast_from_owners(self._owned(state))
         self._view.rebind(training.merge(state.trainable, state.frozen),
                           state.buffer_sets)
 

@@ -64,7 +64,8 @@ class TrainingProcesses:
         process runs all the stages, see ``stage_processes``)."""
         if self.group is None or whole_replicas_per_instance():
             return None
-        return PipelineProcesses(self.group.rank, self.group.size, stages)
+        return PipelineProcesses(self.group.rank, self.group.size, stages,
+                                 self.group.monitor)
 
 
 def stage_processes(options) -> int:

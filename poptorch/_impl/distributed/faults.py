@@ -19,14 +19,17 @@ run's timeout passes (naming the processes that did not start the
 operation). With gloo the wait is the backend's own (it fails at once when
 a peer disconnects, and after the timeout), then the monitor names the
 culprit; with NCCL the monitor polls the operation and the peers.
+``FaultMonitor.explaining`` names the culprit in the same way for work that
+exchanges data otherwise (the transfers of a pipeline over processes).
 """
 import atexit
+import contextlib
 import os
 import socket
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 from ...errors import Error
 from ..logger import logger
@@ -197,6 +200,18 @@ class FaultMonitor:
             f"Distributed run: {what} timed out after {self._timeout:.0f} s "
             f"on process {self._rank}: {who}. Set "
             "POPTORCH_DISTRIBUTED_TIMEOUT to wait longer.")
+
+    @contextlib.contextmanager
+    def explaining(self, what: str) -> Iterator[None]:
+        """Run work that exchanges data with the other processes (a
+        pipeline schedule's sends and receives, its collectives): a
+        ``RuntimeError`` from the backend (a peer disconnected, a timeout)
+        becomes ``poptorch.Error`` naming the failed process."""
+        sequence = self.start()
+        try:
+            yield
+        except RuntimeError as error:
+            raise self._explain(what, error, sequence) from error
 
     def wait(self, work, what: str, sequence: int, blocking: bool) -> None:
         """Wait for a torch.distributed ``Work`` (async collective).

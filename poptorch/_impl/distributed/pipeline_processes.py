@@ -19,6 +19,9 @@ equal. Gradient clipping (``max_grad_norm``) and automatic loss scaling
 need statistics of every stage's gradients: the update graph sums them over
 the pipeline (``poptorch::pipeline_sum_``, ``PartialGradients``).
 
+A process of a pipeline that fails makes the others raise
+``poptorch.Error`` naming it (``FaultMonitor.explaining``).
+
 Every process of a pipeline must be called with the same inputs (checked on
 each call). Under ``poprun``, ``poptorch.DataLoader`` gives the processes of
 one replica the same data; otherwise it splits data by process, so
@@ -34,6 +37,7 @@ import torch.distributed as dist
 
 from ...errors import Error
 from ..optimizers.global_attributes import PartialGradients
+from .faults import FaultMonitor
 
 _numbers = itertools.count()
 _pipelines: "weakref.WeakValueDictionary[int, PipelineProcesses]" = \
@@ -53,8 +57,10 @@ def _pipeline_sum_fake(value: torch.Tensor, pipeline: int) -> None:
 class PipelineProcesses:
     """This process's place in the pipelines and their process groups."""
 
-    def __init__(self, rank: int, size: int, stages: int) -> None:
+    def __init__(self, rank: int, size: int, stages: int,
+                 monitor: FaultMonitor) -> None:
         self.stages = stages
+        self.monitor = monitor
         self.stage = rank % stages
         self.pipelines = size // stages
         first = rank - self.stage
