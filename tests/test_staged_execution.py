@@ -899,3 +899,77 @@ def test_a_float16_accum_type_matches_the_single_graph(strategy):
     combined = staged._staged._view._combined
     assert combined and all(buffers[0].dtype == torch.float16
                             for buffers in combined.values())
+
+
+# --- in-place writes to inputs -------------------------------------------------
+
+class WritesItsInput(torch.nn.Module):
+    """Block "A" doubles its input in place; block "B" reads it again."""
+
+    def __init__(self, checkpoint=False):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8 + 4, 3)
+        self.checkpoint = checkpoint
+
+    def forward(self, x, y=None):
+        with poptorch.Block("A", ipu_id=0):
+            x.mul_(2.0)
+            h = torch.tanh(self.fc1(x))
+            if self.checkpoint:
+                h = poptorch.recomputationCheckpoint(h)
+            h = torch.relu(h)
+        with poptorch.Block("B", ipu_id=1):
+            out = self.fc2(torch.cat([h, x], dim=1))
+            if y is None:
+                return out
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+def test_inference_writes_to_inputs_reach_the_caller(strategy):
+    torch.manual_seed(0)
+    net = WritesItsInput()
+    model = poptorch.inferenceModel(net, options(
+        4, setExecutionStrategy=ANY_BLOCKS[strategy]()))
+    x, _ = make_data(4 * BATCH)
+    expected_x = x.clone()
+    with torch.no_grad():
+        expected = net(expected_x)
+    close(model(x), expected)
+    close(x, expected_x)
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+def test_training_writes_to_inputs_reach_the_caller(strategy):
+    """Each micro-batch is written once (the pipeline's shape inference
+    writes a copy) and training equals plain PyTorch."""
+    torch.manual_seed(0)
+    net = WritesItsInput()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(ITERATIONS, 3, setExecutionStrategy=(
+            ANY_BLOCKS[strategy]()), outputMode=poptorch.OutputMode.All),
+        _sgd(net))
+    reference = _sgd(twin)
+    rows = ITERATIONS * 3 * BATCH
+    for call in range(2):
+        x, y = make_data(rows, seed=call)
+        expected_x = x.clone()
+        outputs, _ = plain_training(twin, reference, expected_x, y,
+                                    accumulation=3)
+        out, _ = model(x, y)
+        close(x, expected_x)
+        close(out, outputs)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
+def test_input_writes_and_recomputation_are_an_error():
+    net = WritesItsInput(checkpoint=True)
+    model = poptorch.trainingModel(net, options(
+        1, 3, setExecutionStrategy=poptorch.ShardedExecution("A", "B")),
+        _sgd(net))
+    with pytest.raises(poptorch.Error, match="writes to its input tensors in "
+                       "place while recomputationCheckpoint"):
+        model(*make_data(3 * BATCH))

@@ -222,6 +222,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         staged = stages.cut_into_stages(graph, plan.placements, analysis,
                                         len(state.params),
                                         len(state.buffers[0]), self._training)
+        staged_execution.check_recomputation(staged,
+                                             bool(analysis.written_inputs))
         self._session.record("forward", graph)
         trainable = (TrainingLayout.build(
             self._plan, analysis.params_reaching_loss,
@@ -232,7 +234,8 @@ class PoplarExecutor(CompiledExecutionMethods):
                       "run as captured graphs under autograd")
         self._staged = staged_execution.StagedExecution(
             staged, plan.strategy, state.params, trainable, state.buffers,
-            state.device, self._training, state.param_names)
+            state.device, self._training, state.param_names,
+            analysis.written_inputs)
 
     def _compile_inference(self, model_call, analysis, state, inputs) -> None:
         graph, example = self._replicas.trace_inference(

@@ -27,6 +27,10 @@ weight read by several stages gets their summed gradient and the same
 update in each; clipping and automatic loss scaling take the statistics of
 every stage's gradients.
 
+Input tensors that ``forward`` writes in place are written in each
+micro-batch's stacked copy and copied back into the call's inputs after
+the step.
+
 With R replicas in one process, the G x R micro-batches of a step all go
 through the stages and share one update (replicas hold identical weights);
 with ``broadcastBuffers(False)`` each micro-batch reads and writes its
@@ -34,7 +38,8 @@ replica's buffers.
 
 Not available yet with several stages (each raises ``poptorch.Error`` at
 compilation): grouped weights, replication in a multi-process run,
-models writing to their input tensors, the ``Running`` mean reduction with
+models writing to their input tensors when the stages run in separate
+processes or are recomputed, the ``Running`` mean reduction with
 weights shared between stages. The stage graphs run as captured graphs
 under autograd, with every backend.
 """
@@ -81,10 +86,21 @@ def check_supported(layout: BatchLayout, processes: int,
         raise Error(f"{what} the run has {processes} processes: a "
                     "multi-stage model places one stage per process, so the "
                     f"number of processes must be a multiple of {stages}.")
-    if written_inputs:
+    if written_inputs and training and processes > 1:
         raise Error(f"{what} forward writes to its input tensors: in-place "
-                    "writes to inputs are not available for multi-stage "
-                    "models yet.")
+                    "writes to inputs are not available when the stages run "
+                    "in separate processes.")
+
+
+def check_recomputation(staged: StagedGraph, written_inputs: bool) -> None:
+    """Raise ``poptorch.Error`` when a stage that is recomputed in the
+    backward pass could write to the model's inputs again."""
+    if written_inputs and any(staged.segments):
+        raise Error(f"{_what(len(staged.stages))} forward writes to its "
+                    "input tensors in place while recomputationCheckpoint "
+                    "makes stages run their forward pass again in the "
+                    "backward pass, which would write the inputs twice: "
+                    "remove the checkpoints or the in-place writes.")
 
 
 def _combines_gradients(settings: StepSettings,
@@ -117,8 +133,9 @@ class StagedExecution:
 
     def __init__(self, staged: StagedGraph, strategy, params, trainable,
                  buffer_sets, device: torch.device, training: bool,
-                 param_names: List[str]) -> None:
+                 param_names: List[str], written_inputs: List[int]) -> None:
         self._staged = staged
+        self._written_inputs = written_inputs
         self._param_names = param_names
         self._owners = staged.param_owners()
         self._strategy = strategy
@@ -211,8 +228,9 @@ class StagedExecution:
         positions = [(iteration, 0, replica)
                      for iteration in range(layout.device_iterations)
                      for replica in range(layout.replicas)]
-        self._schedule.run(self._stacked(inputs, positions, layout),
-                           len(positions))
+        stacked = self._stacked(inputs, positions, layout)
+        self._schedule.run(stacked, len(positions))
+        self._write_back(stacked, inputs, positions, layout)
         self._collect(collector, positions, layout)
 
     def run_training(self, state: TrainingState, inputs: List[torch.Tensor],
@@ -240,10 +258,12 @@ class StagedExecution:
             positions = [(iteration, step, replica)
                          for step in range(layout.gradient_accumulation)
                          for replica in range(layout.replicas)]
+            stacked = self._stacked(inputs, positions, layout)
             with torch.enable_grad():
                 self._schedule.run(
-                    self._stacked(inputs, positions, layout), len(positions),
+                    stacked, len(positions),
                     lambda loss: scaling.scale_loss(loss, factor))
+            self._write_back(stacked, inputs, positions, layout)
             grads = self._view.gradients(training.trainable)
             self._combine_over_processes(grads)
             self._collect(collector, positions, layout, state.trainable)
@@ -256,6 +276,18 @@ class StagedExecution:
                  layout: BatchLayout) -> Dict[str, torch.Tensor]:
         return _stacked(inputs, positions, layout,
                         len(self._view.buffer_sets) > 1)
+
+    def _write_back(self, stacked: Dict[str, torch.Tensor],
+                    inputs: List[torch.Tensor],
+                    positions: List[Tuple[int, int, int]],
+                    layout: BatchLayout) -> None:
+        """Copy the micro-batches' input tensors that forward wrote in place
+        back into the call's inputs."""
+        for k, (iteration, step, replica) in enumerate(positions):
+            micro = micro_batch(inputs, iteration, step,
+                                layout.data_index(replica))
+            for index in self._written_inputs:
+                micro[index].copy_(stacked[input_name(index)][k])
 
     def _combine_over_processes(self, grads: List[torch.Tensor]) -> None:
         """In a multi-process pipeline: the gradients of weights read by

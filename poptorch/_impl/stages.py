@@ -43,6 +43,7 @@ class StagedGraph:
     num_params: int
     num_buffers: int
     written_buffers: List[int]          # buffer indices, as in the outputs
+    written_inputs: List[int]           # inputs forward writes in place
     num_outputs: int                    # model output tensors
     has_loss: bool
     output_metas: List[Tuple[torch.Size, torch.dtype]]  # model outputs
@@ -118,6 +119,7 @@ def cut_into_stages(graph: fx.GraphModule,
         segments=[segments(stage) if training else [] for stage in stages],
         num_params=num_params, num_buffers=num_buffers,
         written_buffers=list(analysis.written_buffers),
+        written_inputs=list(analysis.written_inputs),
         num_outputs=len(outputs) - written - int(training),
         has_loss=training,
         output_metas=[(o.meta["val"].shape, o.meta["val"].dtype)
@@ -222,8 +224,15 @@ class StageModule(torch.nn.Module):
     with a leading dimension of size 1 (a schedule cuts the stacked
     micro-batches of a step along it).
 
+    A stage that reads input tensors which ``forward`` writes in place
+    writes them in copies, then copies them into the micro-batch tensors it
+    was given: the micro-batches of a step are slices of one stacked
+    tensor, so writing them directly would invalidate tensors that earlier
+    micro-batches saved for their backward pass.
+
     ``skip_effects_once`` makes the first call a dry run (no buffer written,
-    no output recorded), for the pipeline schedule's shape inference."""
+    no output recorded, in-place writes to inputs made on copies), for the
+    pipeline schedule's shape inference."""
 
     def __init__(self, staged: StagedGraph, index: int, state: StageState,
                  training: bool) -> None:
@@ -237,6 +246,9 @@ class StageModule(torch.nn.Module):
         self.training_stage = training
         self.recorded: List[List[torch.Tensor]] = []
         self.skip_effects_once = False
+        first_input = staged.num_params + staged.num_buffers
+        self._written_inputs = [input_name(i) for i in staged.written_inputs
+                                if first_input + i in self.part.sources]
         for i in self.part.sources:
             if i < staged.num_params and \
                     isinstance(state.params[i], torch.nn.Parameter):
@@ -258,6 +270,9 @@ class StageModule(torch.nn.Module):
             carried = tuple(_as_differentiable_leaf(t) for t in carried)
         if self.skip_effects_once:
             _zero_in_place(carried)
+            inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        written = {name: inputs[name] for name in self._written_inputs}
+        inputs.update({name: t.clone() for name, t in written.items()})
         buffers = self.state.buffers(inputs)
         stage_inputs = list(carried) + [self._source(i, buffers, inputs)
                                         for i in self.part.sources]
@@ -269,6 +284,9 @@ class StageModule(torch.nn.Module):
         if differentiable:
             passed = tuple(_as_differentiable_leaf(t) for t in passed)
         own = list(result[self.part.carried_out:])
+        with torch.no_grad():
+            for name, original in written.items():
+                original.copy_(inputs[name])
         if self.skip_effects_once:
             self.skip_effects_once = False
         else:
