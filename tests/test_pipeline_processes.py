@@ -228,15 +228,21 @@ def test_processes_of_a_pipeline_with_different_inputs_all_fail(tmp_path):
         assert "were called with different inputs" in err
 
 
-@pytest.mark.slow
-def test_poprun_starts_one_process_per_stage(tmp_path):
-    command = [sys.executable, "-m", "poptorch.run", "--num-instances", "2",
-               "--num-replicas", "1", "--ipus-per-replica", "2", PROGRAM,
-               str(tmp_path)]
+def _poprun(output, instances: int, replicas: int, *extra) -> None:
+    """Run the program under ``poprun`` (2 IPUs per replica); it must
+    succeed."""
+    command = [sys.executable, "-m", "poptorch.run", "--num-instances",
+               str(instances), "--num-replicas", str(replicas),
+               "--ipus-per-replica", "2", PROGRAM, str(output), *extra]
     environment = dict(os.environ, POPTORCH_DISTRIBUTED_TIMEOUT="60")
     finished = subprocess.run(command, capture_output=True, text=True,
                               timeout=240, env=environment)
     assert finished.returncode == 0, finished.stderr
+
+
+@pytest.mark.slow
+def test_poprun_starts_one_process_per_stage(tmp_path):
+    _poprun(tmp_path, 2, 1)
     _check_processes(tmp_path, stages=2, pipelines=1)
 
 
@@ -244,13 +250,7 @@ def test_poprun_starts_one_process_per_stage(tmp_path):
 def test_poprun_pipelines_read_their_part_of_a_dataloader(tmp_path):
     """Two replicas of a 2-stage pipeline over 4 instances: the
     poptorch.DataLoader gives both processes of a replica its part."""
-    command = [sys.executable, "-m", "poptorch.run", "--num-instances", "4",
-               "--num-replicas", "2", "--ipus-per-replica", "2", PROGRAM,
-               str(tmp_path), "--dataloader"]
-    environment = dict(os.environ, POPTORCH_DISTRIBUTED_TIMEOUT="60")
-    finished = subprocess.run(command, capture_output=True, text=True,
-                              timeout=240, env=environment)
-    assert finished.returncode == 0, finished.stderr
+    _poprun(tmp_path, 4, 2, "--dataloader")
     _check_processes(tmp_path, stages=2, pipelines=2)
 
 
@@ -259,13 +259,7 @@ def test_poprun_instances_of_whole_replicas_run_every_stage(tmp_path):
     """Two replicas of a 2-stage model on two instances: each instance runs
     both stages of its replica (PopDist's layout) and the updates average
     the replicas' gradients."""
-    command = [sys.executable, "-m", "poptorch.run", "--num-instances", "2",
-               "--num-replicas", "2", "--ipus-per-replica", "2", PROGRAM,
-               str(tmp_path), "--dataloader"]
-    environment = dict(os.environ, POPTORCH_DISTRIBUTED_TIMEOUT="60")
-    finished = subprocess.run(command, capture_output=True, text=True,
-                              timeout=240, env=environment)
-    assert finished.returncode == 0, finished.stderr
+    _poprun(tmp_path, 2, 2, "--dataloader")
     _check_processes(tmp_path, stages=2, pipelines=2, per_pipeline=1)
 
 

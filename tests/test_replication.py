@@ -92,6 +92,20 @@ def _batchnorm_reference(twin, inputs, replicas, lr=0.1):
     return torch.stack(losses), buffer_sets
 
 
+def _assert_per_replica_training(net, twin, inputs, replicas, losses):
+    """``net`` (trained on ``inputs``, returning ``losses``) matches
+    ``_batchnorm_reference`` on ``twin``; its buffers are replica 0's.
+    Returns the reference's buffer sets."""
+    expected, buffer_sets = _batchnorm_reference(twin, inputs, replicas)
+    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
+    for name, value in net.named_parameters():
+        torch.testing.assert_close(value, dict(twin.named_parameters())[name],
+                                   atol=1e-6, rtol=1e-5)
+    for name, value in net.named_buffers():
+        torch.testing.assert_close(value, buffer_sets[0][name])
+    return buffer_sets
+
+
 def test_batchnorm_statistics_stay_per_replica(twin_bn=None):
     torch.manual_seed(0)
     net = BatchNormNet()
@@ -99,14 +113,8 @@ def test_batchnorm_statistics_stay_per_replica(twin_bn=None):
     inputs = make_images(4 * 6)
     model, (_, losses) = _train(net, options(replicas=4,
                                              broadcastBuffers=False), inputs)
-    expected, buffer_sets = _batchnorm_reference(twin, inputs, 4)
+    buffer_sets = _assert_per_replica_training(net, twin, inputs, 4, losses)
     assert model._replicas.path == "vectorised"
-    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
-    for name, value in net.named_parameters():
-        torch.testing.assert_close(value, dict(twin.named_parameters())[name],
-                                   atol=1e-6, rtol=1e-5)
-    for name, value in net.named_buffers():
-        torch.testing.assert_close(value, buffer_sets[0][name])
     assert not torch.equal(buffer_sets[0]["bn.running_mean"],
                            buffer_sets[1]["bn.running_mean"])
 
@@ -144,16 +152,10 @@ def test_batchnorm_variants_run_per_replica_without_copies(batch_norm):
     inputs = make_data(2 * 8)
     model, (_, losses) = _train(net, options(
         replicas=2, broadcastBuffers=False), inputs)
-    expected, buffer_sets = _batchnorm_reference(twin, inputs, 2)
+    _assert_per_replica_training(net, twin, inputs, 2, losses)
     assert _batch_norm_ops(model) == [
         torch.ops.poptorch.replica_batch_norm.default,
         torch.ops.poptorch.replica_batch_norm_backward.default]
-    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
-    for name, value in net.named_parameters():
-        torch.testing.assert_close(value, dict(twin.named_parameters())[name],
-                                   atol=1e-6, rtol=1e-5)
-    for name, value in net.named_buffers():
-        torch.testing.assert_close(value, buffer_sets[0][name])
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-weight",
