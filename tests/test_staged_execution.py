@@ -961,3 +961,29 @@ def test_input_writes_and_recomputation_are_an_error():
     with pytest.raises(poptorch.Error, match="writes to its input tensors in "
                        "place while recomputationCheckpoint"):
         model(*make_data(3 * BATCH))
+
+
+# --- several processes (checked before joining a run) -----------------------
+
+def _as_process_0_of_2(opts: poptorch.Options) -> poptorch.Options:
+    opts.Distributed.configureProcessId(0, 2)
+    return opts
+
+
+def test_replicas_of_a_stage_per_process_training_are_an_error():
+    net = FourBlocks()
+    model = poptorch.trainingModel(net, _as_process_0_of_2(options(
+        1, ACCUMULATION, replicas=2, broadcastBuffers=False)), _sgd(net))
+    with pytest.raises(poptorch.Error, match="replicationFactor is 2 in a "
+                       "multi-process run, which places one stage per "
+                       "process"):
+        model.compile(*make_data(2 * ACCUMULATION * BATCH))
+
+
+def test_replicated_inference_runs_every_stage_in_each_process():
+    net, twin = four_blocks_pair()
+    model = poptorch.inferenceModel(net.eval(), _as_process_0_of_2(
+        options(4, replicas=2)))
+    x, _ = make_data(8 * BATCH)
+    with torch.no_grad():
+        close(model(x), twin.eval()(x))

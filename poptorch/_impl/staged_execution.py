@@ -74,10 +74,11 @@ def check_supported(layout: BatchLayout, processes: int,
                     grouped: bool) -> None:
     """Raise ``poptorch.Error`` for what several stages cannot run yet."""
     what = _what(stages)
-    if layout.replicas > 1 and processes > 1:
+    if training and layout.replicas > 1 and processes > 1:
         raise Error(f"{what} replicationFactor is {layout.replicas} in a "
-                    "multi-process run: use replicationFactor(1) and K x R "
-                    "processes for R pipelines of K stages.")
+                    "multi-process run, which places one stage per process: "
+                    "use replicationFactor(1) and K x R processes for R "
+                    "pipelines of K stages.")
     if grouped:
         raise Error(f"{what} weights have replica groups (replicaGrouping): "
                     "grouped weights are not available for multi-stage "
