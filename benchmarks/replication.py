@@ -92,7 +92,7 @@ def poptorch_step(model, x, y, replicas: int, sequential: bool = False):
     """One call of a training model: one optimizer step over R
     micro-batches of len(x) / R rows."""
     opts = poptorch.Options().replicationFactor(replicas)
-    opts.broadcastBuffers(False)
+    opts.broadcastBuffers(False).showCompilationProgressBar(False)
     training = poptorch.trainingModel(model, opts, _optimizer(model))
     choose = replication._path_for
     if sequential:
@@ -175,6 +175,7 @@ def worker(arguments) -> None:
     all_reduce = _time_all_reduces()
     opts = popdist.poptorch.Options()
     opts.deviceIterations(arguments.iterations)
+    opts.showCompilationProgressBar(False)
     opts.Training.gradientAccumulation(arguments.accumulation)
     torch.manual_seed(0)
     model = MLP(arguments.width)

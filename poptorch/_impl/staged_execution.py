@@ -115,13 +115,16 @@ def _combines_gradients(settings: StepSettings,
         and any(p.dtype != gradients.accum_dtype for p in params))
 
 
-def _check_training(settings: StepSettings, staged: StagedGraph,
-                    param_names: List[str]) -> None:
-    what = _what(len(staged.stages))
-    shared = [param_names[i] for i, owners in
-              enumerate(staged.param_owners()) if len(owners) > 1]
+def _check_training(settings: StepSettings, stages: int,
+                    owners: List[List[int]], param_names: List[str]) -> None:
+    """Raise ``poptorch.Error`` for a training step ``stages`` stages cannot
+    run: the Running mean of a weight whose stages' gradients arrive
+    separately (``owners``: the stages that read each parameter)."""
+    shared = [param_names[i] for i, readers in enumerate(owners)
+              if len(readers) > 1]
     if settings.gradients.keeps_running_mean and shared:
-        raise Error(f"{what} the gradient reduction is MeanReductionStrategy."
+        raise Error(f"{_what(stages)} the gradient reduction is "
+                    "MeanReductionStrategy."
                     f"Running: parameter(s) {', '.join(shared)} are used by "
                     "several stages, whose gradients arrive separately, so "
                     "no running mean per micro-batch can be kept; place the "
@@ -178,7 +181,8 @@ class StagedExecution:
         pipeline; otherwise ``reduce_gradients`` (in a multi-process run
         whose processes each run all the stages) combines the step's
         gradients with the other processes' before the update."""
-        _check_training(settings, self._staged, self._param_names)
+        _check_training(settings, self.stage_count, self._owners,
+                        self._param_names)
         if _combines_gradients(settings, example["trainable"]):
             self._view.combine_gradients(settings.gradients, layout.trainable)
         positions = self._owned_positions(layout, processes)
