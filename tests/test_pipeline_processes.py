@@ -258,9 +258,11 @@ def test_poprun_pipelines_read_their_part_of_a_dataloader(tmp_path):
 def test_poprun_instances_of_whole_replicas_run_every_stage(tmp_path):
     """Two replicas of a 2-stage model on two instances: each instance runs
     both stages of its replica (PopDist's layout) and the updates average
-    the replicas' gradients."""
-    _poprun(tmp_path, 2, 2, "--dataloader")
-    _check_processes(tmp_path, stages=2, pipelines=2, per_pipeline=1)
+    the replicas' gradients (with a weight two stages read, clipped to the
+    global norm)."""
+    _poprun(tmp_path, 2, 2, "--dataloader", "--tied", "--clip", "0.05")
+    _check_processes(tmp_path, stages=2, pipelines=2, per_pipeline=1,
+                     tied=True, clip=0.05)
 
 
 @pytest.mark.slow
