@@ -987,3 +987,76 @@ def test_replicated_inference_runs_every_stage_in_each_process():
     x, _ = make_data(8 * BATCH)
     with torch.no_grad():
         close(model(x), twin.eval()(x))
+
+
+# --- grouped weights -----------------------------------------------------------
+
+class GroupedBlocks(torch.nn.Module):
+    """Block "A" applies ``weight``, which may be grouped; block "B" a
+    linear layer shared by all replicas. Without ``annotate``, no blocks."""
+
+    def __init__(self, rows, annotate=True):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(rows, 4, 5))
+        self.fc = torch.nn.Linear(5, 3)
+        self.annotate = annotate
+
+    def forward(self, x, y):
+        with poptorch.Block("A", ipu_id=0) if self.annotate else \
+                contextlib.nullcontext():
+            h = torch.tanh(x @ self.weight)
+        with poptorch.Block("B", ipu_id=1) if self.annotate else \
+                contextlib.nullcontext():
+            out = self.fc(h)
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+@pytest.mark.parametrize("reduction", [poptorch.ReductionType.Mean,
+                                       poptorch.ReductionType.Sum])
+def test_grouped_weights_train_like_the_single_graph(strategy, reduction):
+    """Each replica's micro-batches use its group's row, and each row is
+    trained on its group's gradients, as in the vectorised single graph."""
+    torch.manual_seed(0)
+    net = GroupedBlocks(2)
+    twin = copy.deepcopy(net)
+    twin.annotate = False
+    models = []
+    for module, staged in ((net, True), (twin, False)):
+        opts = options(2, 3, replicas=4, outputMode=poptorch.OutputMode.All)
+        opts.Training.accumulationAndReplicationReductionType(reduction)
+        if staged:
+            opts.setExecutionStrategy(ANY_BLOCKS[strategy]())
+        model = poptorch.trainingModel(module, opts, _sgd(module))
+        model.weight.replicaGrouping(
+            poptorch.CommGroupType.Consecutive, 2,
+            poptorch.VariableRetrievalMode.OnePerGroup)
+        models.append(model)
+    for call in range(2):
+        data = make_data(2 * 3 * 4 * BATCH, seed=call)
+        got, expected = models[0](*data), models[1](*data)
+        close(got[1], expected[1])
+    assert models[0]._staged is not None and models[1]._staged is None
+    for model in models:
+        model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+    assert not torch.allclose(net.weight[0], net.weight[1])
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+def test_grouped_weights_in_inference_give_each_replica_its_row(strategy):
+    torch.manual_seed(0)
+    net = GroupedBlocks(2)
+    opts = options(4, replicas=4)
+    opts.setExecutionStrategy(ANY_BLOCKS[strategy]())
+    model = poptorch.inferenceModel(net, opts)
+    model.weight.replicaGrouping(poptorch.CommGroupType.Orthogonal, 2,
+                                 poptorch.VariableRetrievalMode.OnePerGroup)
+    x, y = make_data(4 * 4 * BATCH)
+    out, _ = model(x, y)
+    rows = x.unflatten(0, (4, 4, BATCH))
+    with torch.no_grad():
+        expected = torch.stack([torch.stack([
+            net.fc(torch.tanh(rows[d, r] @ net.weight[r % 2]))
+            for r in range(4)]) for d in range(4)])
+    close(out, expected.flatten(0, 2))

@@ -213,8 +213,10 @@ class PoplarExecutor(CompiledExecutionMethods):
             layout, distributed.stage_processes(self._options),
             bool(analysis.written_inputs),
             len({p.stage_id for p in plan.placements.values()}),
-            self._training, bool(self._replicas.grouped))
-        graph = stages.trace_forward(model_call, analysis, state.params,
+            self._training)
+        grouped = self._replicas.grouped
+        graph = stages.trace_forward(model_call, analysis,
+                                     grouped.replica_params(state.params),
                                      state.buffers[0], micro, self._training,
                                      self._training_flags)
         graph = self._session.anchors.add_outputs(graph, "forward",
@@ -234,7 +236,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                       "run as captured graphs under autograd")
         self._staged = staged_execution.StagedExecution(
             staged, plan.strategy, state.params, trainable, state.buffers,
-            state.device, self._training, state.param_names,
+            grouped, state.device, self._training, state.param_names,
             analysis.written_inputs)
 
     def _compile_inference(self, model_call, analysis, state, inputs) -> None:

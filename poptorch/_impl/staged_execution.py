@@ -34,10 +34,11 @@ the step.
 With R replicas in one process, the G x R micro-batches of a step all go
 through the stages and share one update (replicas hold identical weights);
 with ``broadcastBuffers(False)`` each micro-batch reads and writes its
-replica's buffers.
+replica's buffers, and a grouped weight (``replicaGrouping``) gives each
+micro-batch its replica's value.
 
 Not available yet with several stages (each raises ``poptorch.Error`` at
-compilation): grouped weights, replication in a multi-process run,
+compilation): replication in a multi-process run,
 models writing to their input tensors when the stages run in separate
 processes or are recomputed, the ``Running`` mean reduction with
 weights shared between stages. The stage graphs run as captured graphs
@@ -57,6 +58,7 @@ from .logger import info_once
 from .optimizers.global_attributes import PartialGradients
 from .outputs import OutputCollector
 from .pipeline import PipelineSchedule
+from .replica_grouping import GroupedWeights
 from .sequential_stages import SequentialSchedule
 from .stages import (REPLICA_KEY, StagedGraph, StageModule, StageState,
                      input_name)
@@ -70,8 +72,8 @@ def _what(stages: int) -> str:
 
 
 def check_supported(layout: BatchLayout, processes: int,
-                    written_inputs: bool, stages: int, training: bool,
-                    grouped: bool) -> None:
+                    written_inputs: bool, stages: int,
+                    training: bool) -> None:
     """Raise ``poptorch.Error`` for what several stages cannot run yet."""
     what = _what(stages)
     if training and layout.replicas > 1 and processes > 1:
@@ -79,10 +81,6 @@ def check_supported(layout: BatchLayout, processes: int,
                     "multi-process run, which places one stage per process: "
                     "use replicationFactor(1) and K x R processes for R "
                     "pipelines of K stages.")
-    if grouped:
-        raise Error(f"{what} weights have replica groups (replicaGrouping): "
-                    "grouped weights are not available for multi-stage "
-                    "models yet.")
     if training and processes > 1 and processes % stages:
         raise Error(f"{what} the run has {processes} processes: a "
                     "multi-stage model places one stage per process, so the "
@@ -136,15 +134,16 @@ class StagedExecution:
     """The stages of a model and the schedule that runs them."""
 
     def __init__(self, staged: StagedGraph, strategy, params, trainable,
-                 buffer_sets, device: torch.device, training: bool,
-                 param_names: List[str], written_inputs: List[int]) -> None:
+                 buffer_sets, grouped: GroupedWeights, device: torch.device,
+                 training: bool, param_names: List[str],
+                 written_inputs: List[int]) -> None:
         self._staged = staged
         self._written_inputs = written_inputs
         self._param_names = param_names
         self._owners = staged.param_owners()
         self._strategy = strategy
         self._device = device
-        self._view = StageState(params, trainable, buffer_sets)
+        self._view = StageState(params, trainable, buffer_sets, grouped)
         self._modules = [StageModule(staged, index, self._view, training)
                          for index in range(len(staged.stages))]
         self._last = self._modules[-1]
@@ -183,6 +182,9 @@ class StagedExecution:
         gradients with the other processes' before the update."""
         _check_training(settings, self.stage_count, self._owners,
                         self._param_names)
+        if self._view.grouped:
+            self._view.grouped.check_update(layout, settings)
+        self._view.step_reduction = settings.reduction
         if _combines_gradients(settings, example["trainable"]):
             self._view.combine_gradients(settings.gradients, layout.trainable)
         positions = self._owned_positions(layout, processes)
@@ -279,8 +281,7 @@ class StagedExecution:
     def _stacked(self, inputs: List[torch.Tensor],
                  positions: List[Tuple[int, int, int]],
                  layout: BatchLayout) -> Dict[str, torch.Tensor]:
-        return _stacked(inputs, positions, layout,
-                        len(self._view.buffer_sets) > 1)
+        return _stacked(inputs, positions, layout, self._view.per_replica)
 
     def _write_back(self, stacked: Dict[str, torch.Tensor],
                     inputs: List[torch.Tensor],
@@ -390,16 +391,16 @@ class _PartialUpdate:
 
 def _stacked(inputs: List[torch.Tensor],
              positions: List[Tuple[int, int, int]], layout: BatchLayout,
-             per_replica_buffers: bool) -> Dict[str, torch.Tensor]:
+             per_replica: bool) -> Dict[str, torch.Tensor]:
     """The stages' keyword arguments for the micro-batches at (iteration,
     step, replica) ``positions``, stacked along a new first dimension: the
-    micro-batch tensors and, when replicas keep their own buffers, the
-    replica indices (on the host)."""
+    micro-batch tensors and, when replicas keep their own buffers or
+    grouped weights, the replica indices (on the host)."""
     micro = [micro_batch(inputs, iteration, step, layout.data_index(replica))
              for iteration, step, replica in positions]
     stacked = {input_name(i): torch.stack([m[i] for m in micro])
                for i in range(len(inputs))}
-    if per_replica_buffers:
+    if per_replica:
         stacked[REPLICA_KEY] = torch.tensor([replica for _, _, replica
                                              in positions])
     return stacked

@@ -28,10 +28,12 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
+from ..enums import ReductionType
 from . import blocks, losses, partition
 from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                       split_flat, tensor_outputs, trace_user_code)
 from .optimizers.gradient_reduction import GradientReduction
+from .replica_grouping import GroupedWeights
 from .strategies import BlockPlacement
 
 @dataclasses.dataclass
@@ -153,8 +155,11 @@ class StageState:
     """The tensors the stages read: parameters (the trainable ones as
     ``nn.Parameter`` leaves whose ``.grad`` collects the step's gradient
     sum) and the buffers, which stages replace as they write them: one set,
-    or one per replica when replicas keep their own buffers (a micro-batch
-    then says its replica under ``REPLICA_KEY``).
+    or one per replica when replicas keep their own buffers. A grouped
+    weight (``replicaGrouping``) is held as its rows, and each micro-batch
+    reads its replica's value (``GroupedWeights.per_replica``, whose
+    backward pass reduces the gradients within the group). With either, a
+    micro-batch says its replica under ``REPLICA_KEY``.
 
     With ``combine_gradients`` (an ``accum_type`` other than a parameter's
     dtype, or the ``Running`` mean), each micro-batch's gradient is instead
@@ -163,14 +168,32 @@ class StageState:
     does)."""
 
     def __init__(self, params: List[torch.Tensor], trainable: Sequence[int],
-                 buffer_sets: List[List[torch.Tensor]]) -> None:
+                 buffer_sets: List[List[torch.Tensor]],
+                 grouped: GroupedWeights) -> None:
         trainable = set(trainable)
         self.params: List[torch.Tensor] = [
             torch.nn.Parameter(t, requires_grad=True) if i in trainable
             else t for i, t in enumerate(params)]
         self.buffer_sets = buffer_sets
+        self.grouped = grouped
+        self.step_reduction: Optional[ReductionType] = None
         self._reduction: Optional[GradientReduction] = None
         self._combined: Dict[int, List[torch.Tensor]] = {}
+
+    @property
+    def per_replica(self) -> bool:
+        """Whether micro-batches must say their replica."""
+        return len(self.buffer_sets) > 1 or bool(self.grouped)
+
+    def param(self, index: int,
+              inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Parameter ``index`` as the micro-batch's replica sees it."""
+        param = self.params[index]
+        if index not in self.grouped.groupings:
+            return param
+        replica = int(inputs[REPLICA_KEY][0])
+        return self.grouped.per_replica(index, param,
+                                        self.step_reduction)[replica]
 
     def combine_gradients(self, reduction: GradientReduction,
                           indices: Sequence[int]) -> None:
@@ -198,9 +221,11 @@ class StageState:
         self.buffer_sets = buffer_sets
 
     def buffers(self, inputs: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
-        """The buffers of the micro-batch's replica."""
-        replica = inputs.get(REPLICA_KEY)
-        return self.buffer_sets[0 if replica is None else int(replica[0])]
+        """The buffers of the micro-batch's replica (the only set when
+        replicas share buffers)."""
+        if len(self.buffer_sets) == 1:
+            return self.buffer_sets[0]
+        return self.buffer_sets[int(inputs[REPLICA_KEY][0])]
 
     def gradients(self, indices: Sequence[int]) -> List[torch.Tensor]:
         """The summed (combined) gradients of parameters ``indices`` (zeros
@@ -258,7 +283,7 @@ class StageModule(torch.nn.Module):
                 inputs: Dict[str, torch.Tensor]):
         staged = self.staged
         if index < staged.num_params:
-            return self.state.params[index]
+            return self.state.param(index, inputs)
         index -= staged.num_params
         if index < staged.num_buffers:
             return buffers[index]
