@@ -17,11 +17,11 @@ each replica its part (under poprun). The processes start from different
 weights (seed 1 + process id), so equal results show that they share
 process 0's. The first block's linear layer is anchored (``ANCHOR``), and
 its values in the last call are saved too. ``--tied`` makes the last block
-also apply the first block's weight (a weight two stages read), ``--clip`` clips the
-gradient norm (``max_grad_norm``), ``--loss-scale`` turns automatic loss
-scaling on, starting from SCALE, and gives the last block a weight whose
-gradient is ``LOUDNESS`` times its output's (so that one stage's gradients
-overflow first). With ``--fail``, process 1 kills itself or raises before
+also apply the first block's weight (a weight two stages read), ``--clip``
+clips the gradient norm (``max_grad_norm``), ``--loss-scale`` turns
+automatic loss scaling on, starting from SCALE, and gives the last block a
+weight whose gradient is ``LOUDNESS`` times its output's (so that one
+stage's gradients overflow first). With ``--fail``, process 1 kills itself or raises before
 its second call.
 """
 import argparse

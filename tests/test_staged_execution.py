@@ -889,7 +889,7 @@ def test_a_float16_accum_type_matches_the_single_graph(strategy):
                             for buffers in combined.values())
 
 
-# --- in-place writes to inputs -------------------------------------------------
+# --- in-place writes to inputs ----------------------------------------------
 
 class WritesItsInput(torch.nn.Module):
     """Block "A" doubles its input in place; block "B" reads it again."""
@@ -989,7 +989,7 @@ def test_replicated_inference_runs_every_stage_in_each_process():
         close(model(x), twin.eval()(x))
 
 
-# --- grouped weights -----------------------------------------------------------
+# --- grouped weights ---------------------------------------------------------
 
 class GroupedBlocks(torch.nn.Module):
     """Block "A" applies ``weight``, which may be grouped; block "B" a
