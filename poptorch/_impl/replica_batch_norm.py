@@ -143,8 +143,8 @@ def batch_norm_training(x: Tensor, weight: Optional[Tensor],
                         running_var: Optional[Tensor], momentum: float,
                         eps: float) -> Tuple[Tensor, Tensor, Tensor]:
     """One replica's batch norm in training: (output, new running means,
-    new running variances). Only its vmap rule runs (see the module
-    docstring)."""
+    new running variances; empty without running statistics). Under vmap
+    its rule runs all the replicas at once (see the module docstring)."""
     out, _, _, mean, var = replica_batch_norm(
         x.unsqueeze(0), weight, bias, _unsqueezed(running_mean),
         _unsqueezed(running_var), momentum, eps)
@@ -181,13 +181,15 @@ def _vmap_rule(info, in_dims, x, weight, bias, running_mean, running_var,
     return (out, mean, var), (0, running_dims, running_dims)
 
 
-def _stacked(running: Optional[Tensor], dim: Optional[int],
+def _stacked(tensor: Optional[Tensor], dim: Optional[int],
              replicas: int) -> Optional[Tensor]:
-    if running is None:
+    """``tensor`` with its replica dimension ``dim`` first (expanded when
+    the replicas share it)."""
+    if tensor is None:
         return None
     if dim is None:
-        return running.unsqueeze(0).expand(replicas, *running.shape)
-    return running.movedim(dim, 0)
+        return tensor.unsqueeze(0).expand(replicas, *tensor.shape)
+    return tensor.movedim(dim, 0)
 
 
 batch_norm_training.register_vmap(_vmap_rule)
