@@ -236,8 +236,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                       "run as captured graphs under autograd")
         self._staged = staged_execution.StagedExecution(
             staged, plan.strategy, state.params, trainable, state.buffers,
-            grouped, state.device, self._training, state.param_names,
-            analysis.written_inputs)
+            grouped, state.device, self._training, analysis.written_inputs)
 
     def _compile_inference(self, model_call, analysis, state, inputs) -> None:
         graph, example = self._replicas.trace_inference(

@@ -38,11 +38,10 @@ replica's buffers, and a grouped weight (``replicaGrouping``) gives each
 micro-batch its replica's value.
 
 Not available yet with several stages (each raises ``poptorch.Error`` at
-compilation): replication in a multi-process run,
-models writing to their input tensors when the stages run in separate
-processes or are recomputed, the ``Running`` mean reduction with
-weights shared between stages. The stage graphs run as captured graphs
-under autograd, with every backend.
+compilation): replication in a multi-process run that places one stage per
+process, and models writing to their input tensors when the stages run in
+separate processes or are recomputed. The stage graphs run as captured
+graphs under autograd, with every backend.
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -113,33 +112,14 @@ def _combines_gradients(settings: StepSettings,
         and any(p.dtype != gradients.accum_dtype for p in params))
 
 
-def _check_training(settings: StepSettings, stages: int,
-                    owners: List[List[int]], param_names: List[str]) -> None:
-    """Raise ``poptorch.Error`` for a training step ``stages`` stages cannot
-    run: the Running mean of a weight whose stages' gradients arrive
-    separately (``owners``: the stages that read each parameter)."""
-    shared = [param_names[i] for i, readers in enumerate(owners)
-              if len(readers) > 1]
-    if settings.gradients.keeps_running_mean and shared:
-        raise Error(f"{_what(stages)} the gradient reduction is "
-                    "MeanReductionStrategy."
-                    f"Running: parameter(s) {', '.join(shared)} are used by "
-                    "several stages, whose gradients arrive separately, so "
-                    "no running mean per micro-batch can be kept; place the "
-                    "blocks that share a weight in one stage, or use "
-                    "MeanReductionStrategy.Post.")
-
-
 class StagedExecution:
     """The stages of a model and the schedule that runs them."""
 
     def __init__(self, staged: StagedGraph, strategy, params, trainable,
                  buffer_sets, grouped: GroupedWeights, device: torch.device,
-                 training: bool, param_names: List[str],
-                 written_inputs: List[int]) -> None:
+                 training: bool, written_inputs: List[int]) -> None:
         self._staged = staged
         self._written_inputs = written_inputs
-        self._param_names = param_names
         self._owners = staged.param_owners()
         self._strategy = strategy
         self._device = device
@@ -180,13 +160,14 @@ class StagedExecution:
         pipeline; otherwise ``reduce_gradients`` (in a multi-process run
         whose processes each run all the stages) combines the step's
         gradients with the other processes' before the update."""
-        _check_training(settings, self.stage_count, self._owners,
-                        self._param_names)
         if self._view.grouped:
             self._view.grouped.check_update(layout, settings)
         self._view.step_reduction = settings.reduction
         if _combines_gradients(settings, example["trainable"]):
-            self._view.combine_gradients(settings.gradients, layout.trainable)
+            self._view.combine_gradients(
+                settings.gradients, layout.trainable,
+                [i for i, stages in enumerate(self._owners)
+                 if len(stages) > 1])
         positions = self._owned_positions(layout, processes)
         partial = None
         if processes is not None:

@@ -179,6 +179,7 @@ class StageState:
         self.step_reduction: Optional[ReductionType] = None
         self._reduction: Optional[GradientReduction] = None
         self._combined: Dict[int, List[torch.Tensor]] = {}
+        self._sums: Dict[int, torch.Tensor] = {}
 
     @property
     def per_replica(self) -> bool:
@@ -196,19 +197,45 @@ class StageState:
                                         self.step_reduction)[replica]
 
     def combine_gradients(self, reduction: GradientReduction,
-                          indices: Sequence[int]) -> None:
+                          indices: Sequence[int],
+                          shared: Sequence[int] = ()) -> None:
         """Combine the gradients of parameters ``indices`` per micro-batch
-        into ``reduction``'s buffers."""
+        into ``reduction``'s buffers. The gradient of a ``shared`` weight
+        (read by several stages) arrives in parts, one per stage, possibly
+        between other micro-batches' parts: for the running mean, its parts
+        are summed in float32 and the sum divided by the step's
+        micro-batches at the end."""
         self._reduction = reduction
         for i in indices:
-            self._combined[i] = reduction.start([self.params[i]])
+            summed = reduction.keeps_running_mean and i in shared
+            if summed:
+                self._sums[i] = self._zero_sum(i)
+            else:
+                self._combined[i] = reduction.start([self.params[i]])
             self.params[i].register_post_accumulate_grad_hook(
-                functools.partial(self._combine, i))
+                functools.partial(self._add_part if summed
+                                  else self._combine, i))
 
     def _combine(self, index: int, param: torch.Tensor) -> None:
         self._combined[index] = self._reduction.add(self._combined[index],
                                                     [param.grad])
         param.grad = None
+
+    def _zero_sum(self, index: int) -> torch.Tensor:
+        param = self.params[index]
+        return torch.zeros_like(param, dtype=torch.promote_types(
+            param.dtype, torch.float32))
+
+    def _add_part(self, index: int, param: torch.Tensor) -> None:
+        self._sums[index] += param.grad
+        param.grad = None
+
+    def _mean_of_parts(self, index: int) -> torch.Tensor:
+        """A shared weight's running-mean gradient, from its parts' sum."""
+        dtype = self._reduction.start([self.params[index]])[0].dtype
+        mean = (self._sums[index] / self._reduction.micro_batches).to(dtype)
+        self._sums[index] = self._zero_sum(index)
+        return mean
 
     def rebind(self, params: List[torch.Tensor],
                buffer_sets: List[List[torch.Tensor]]) -> None:
@@ -233,6 +260,9 @@ class StageState:
         grads = []
         for i in indices:
             param = self.params[i]
+            if i in self._sums:
+                grads.append(self._mean_of_parts(i))
+                continue
             if i in self._combined:
                 grads.append(self._combined[i][0])
                 self._combined[i] = self._reduction.start([param])
