@@ -4,7 +4,7 @@ stages in each process) for the multi-process pipeline tests.
 
     pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
         [--different-inputs] [--dataloader] [--tied] [--clip NORM]
-        [--loss-scale SCALE] [--fail kill|raise]
+        [--loss-scale SCALE] [--running-mean] [--fail kill|raise]
 
 Every process trains ``Chain`` (K blocks, one per IPU) with
 ``PipelinedExecution`` for N calls of D = 2 iterations of G = 2K - 1
@@ -21,8 +21,9 @@ also apply the first block's weight (a weight two stages read), ``--clip``
 clips the gradient norm (``max_grad_norm``), ``--loss-scale`` turns
 automatic loss scaling on, starting from SCALE, and gives the last block a
 weight whose gradient is ``LOUDNESS`` times its output's (so that one
-stage's gradients overflow first). With ``--fail``, process 1 kills itself or raises before
-its second call.
+stage's gradients overflow first), ``--running-mean`` selects
+``MeanReductionStrategy.Running``. With ``--fail``, process 1 kills itself
+or raises before its second call.
 """
 import argparse
 import os
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--clip", type=float)
     parser.add_argument("--loss-scale", type=float)
+    parser.add_argument("--running-mean", action="store_true")
     parser.add_argument("--fail", choices=["kill", "raise"])
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
@@ -151,6 +153,9 @@ def main() -> None:
     extra = {}
     if arguments.clip is not None:
         extra["max_grad_norm"] = arguments.clip
+    if arguments.running_mean:
+        options.Training.setMeanAccumulationAndReplicationReductionStrategy(
+            poptorch.MeanReductionStrategy.Running)
     if arguments.loss_scale is not None:
         options.Training.setAutomaticLossScaling(True)
         extra["loss_scaling"] = arguments.loss_scale

@@ -163,6 +163,17 @@ def test_two_pipelines_share_a_tied_weight_and_clip_the_global_norm(
     _check_processes(tmp_path, stages=2, pipelines=2, tied=True, clip=0.05)
 
 
+@pytest.mark.slow
+def test_a_tied_weight_keeps_the_running_mean_across_processes(tmp_path):
+    """With MeanReductionStrategy.Running, the tied weight's gradient parts
+    of each stage are combined in their own process and summed over the
+    pipeline: the mean over the step's micro-batches, as in plain
+    PyTorch."""
+    for code, err in _run(tmp_path, 2, "--tied", "--running-mean"):
+        assert code == 0, err
+    _check_processes(tmp_path, stages=2, pipelines=1, tied=True)
+
+
 def _scale_overflowing_one_stage(stages: int) -> float:
     """A power of two under which the last stage's gradients overflow in
     the first optimizer step (by a factor of 1.5 to 3) and the other
