@@ -250,8 +250,9 @@ class PoplarExecutor(CompiledExecutionMethods):
     def _compile_training(self, model_call, analysis, state, micro,
                           layout: BatchLayout, inputs) -> None:
         data_parallel = self._options.Distributed.numProcesses
-        if self._staged is not None and \
-                distributed.stage_processes(self._options) > 1:
+        stage_per_process = self._staged is not None and \
+            distributed.stage_processes(self._options) > 1
+        if stage_per_process:
             data_parallel //= self._staged.stage_count
         if analysis.written_buffers and self._options.broadcast_buffers \
                 and layout.replicas * data_parallel > 1:
@@ -292,7 +293,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._staged.prepare_training(
                 training, settings, example,
                 layout.gradient_accumulation * layout.replicas,
-                processes.pipelines(self._staged.stage_count),
+                (processes.pipelines(self._staged.stage_count)
+                 if stage_per_process else None),
                 processes.reduce_gradients(settings.reduction))
             return
         accumulate = settings.gradients.accumulates

@@ -121,6 +121,8 @@ class StagedExecution:
         self._staged = staged
         self._written_inputs = written_inputs
         self._owners = staged.param_owners()
+        self._shared = {index for index, stages in enumerate(self._owners)
+                        if len(stages) > 1}
         self._strategy = strategy
         self._device = device
         self._view = StageState(params, trainable, buffer_sets, grouped)
@@ -164,10 +166,8 @@ class StagedExecution:
             self._view.grouped.check_update(layout, settings)
         self._view.step_reduction = settings.reduction
         if _combines_gradients(settings, example["trainable"]):
-            self._view.combine_gradients(
-                settings.gradients, layout.trainable,
-                [i for i, stages in enumerate(self._owners)
-                 if len(stages) > 1])
+            self._view.combine_gradients(settings.gradients,
+                                         layout.trainable, self._shared)
         positions = self._owned_positions(layout, processes)
         partial = None
         if processes is not None:
@@ -270,6 +270,8 @@ class StagedExecution:
                     layout: BatchLayout) -> None:
         """Copy the micro-batches' input tensors that forward wrote in place
         back into the call's inputs."""
+        if not self._written_inputs:
+            return
         for k, (iteration, step, replica) in enumerate(positions):
             micro = micro_batch(inputs, iteration, step,
                                 layout.data_index(replica))
@@ -285,7 +287,7 @@ class StagedExecution:
             return
         indices = self._training_layout.trainable
         shared = [grad for index, grad in zip(indices, grads)
-                  if len(self._owners[index]) > 1]
+                  if index in self._shared]
         if shared:
             processes.sum_shared_gradients_(shared)
         processes.reduce_gradients_(

@@ -22,7 +22,7 @@ recomputed, a segment at a time, when the backward pass reaches them.
 """
 import dataclasses
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -198,7 +198,7 @@ class StageState:
 
     def combine_gradients(self, reduction: GradientReduction,
                           indices: Sequence[int],
-                          shared: Sequence[int] = ()) -> None:
+                          shared: AbstractSet[int] = frozenset()) -> None:
         """Combine the gradients of parameters ``indices`` per micro-batch
         into ``reduction``'s buffers. The gradient of a ``shared`` weight
         (read by several stages) arrives in parts, one per stage, possibly
@@ -232,7 +232,7 @@ class StageState:
 
     def _mean_of_parts(self, index: int) -> torch.Tensor:
         """A shared weight's running-mean gradient, from its parts' sum."""
-        dtype = self._reduction.start([self.params[index]])[0].dtype
+        dtype = self._reduction.buffer_dtype(self.params[index])
         mean = (self._sums[index] / self._reduction.micro_batches).to(dtype)
         self._sums[index] = self._zero_sum(index)
         return mean
@@ -382,7 +382,7 @@ def input_name(index: int) -> str:
 
 
 #: The keyword under which stages receive the micro-batch's replica index
-#: (when replicas keep their own buffers).
+#: (when replicas keep their own buffers or weights are grouped).
 REPLICA_KEY = "replica"
 
 

@@ -59,10 +59,10 @@ class TrainingProcesses:
         return gradient_reducer(average=reduction == ReductionType.Mean)
 
     def pipelines(self, stages: int) -> Optional[PipelineProcesses]:
-        """For a model of ``stages`` stages, this process's place in the
-        pipelines of one stage per process (None: one process, or every
-        process runs all the stages, see ``stage_processes``)."""
-        if self.group is None or whole_replicas_per_instance():
+        """For a model of ``stages`` stages whose processes each run one
+        stage (``stage_processes``), this process's place in the pipelines
+        (None: one process)."""
+        if self.group is None:
             return None
         return PipelineProcesses(self.group.rank, self.group.size, stages,
                                  self.group.monitor)

@@ -94,13 +94,14 @@ class GradientReduction:
             return float(self.accumulation)
         return 1.0
 
-    def _buffer_dtype(self, param: Tensor) -> torch.dtype:
+    def buffer_dtype(self, param: Tensor) -> torch.dtype:
+        """The dtype ``param``'s gradients are combined in."""
         return param.dtype if self.accum_dtype is None else self.accum_dtype
 
     def start(self, params: List[Tensor]) -> List[Tensor]:
         """The buffer before a step's first micro-batch: zeros in the
         accumulation dtype, then (Running) a 0-d float32 micro-batch count."""
-        zeros = [torch.zeros_like(p, dtype=self._buffer_dtype(p))
+        zeros = [torch.zeros_like(p, dtype=self.buffer_dtype(p))
                  for p in params]
         if self.keeps_running_mean:
             device = params[0].device if params else torch.device("cpu")
