@@ -5,12 +5,13 @@
    with R = 1), same process, same weights and data. The vectorised replica
    path should cost nothing over the one big batch (target >= 0.95x); the
    sequential replica loop is shown for comparison.
-2. Processes: the same compute-bound training run as 1 process and as 2
-   processes started by ``poprun`` (one thread each, gloo gradient
-   all-reduce once per optimizer step of G micro-batches), in samples/s
-   over all processes (target >= 1.7x on 2 cores). The machine must be
-   otherwise idle: another busy process makes one instance wait for the
-   other at every all-reduce.
+2. Processes: the same training run as 1 process and as 2 processes
+   started by ``poprun`` (one thread each, gloo gradient all-reduce once
+   per optimizer step of G micro-batches), in samples/s over all processes
+   (target >= 1.7x on 2 cores), for the MLP (1.6 MB of gradients per step)
+   and the CNN (0.1 MB for more arithmetic). The machine must be otherwise
+   idle: another busy process makes one instance wait for the other at
+   every all-reduce.
 
 Run by hand: ``.venv/bin/python benchmarks/replication.py``. Prints
 markdown tables.
@@ -149,20 +150,29 @@ def in_process_table(arguments) -> None:
 
 # --- processes -----------------------------------------------------------
 
-def _time_all_reduces():
-    """Seconds spent in gradient all-reduces (waiting for the other
-    process included), measured by wrapping the process group's call."""
+def _time_all_reduce_waits():
+    """Seconds spent waiting for gradient all-reduces to finish (the part
+    of their time that the backward pass did not hide, waiting for the
+    other process included), measured by wrapping the process group's
+    wait."""
     from poptorch._impl.distributed import process_group
     spent = [0.0]
-    original = process_group.ProcessGroup.all_reduce_
+    original = process_group.ProcessGroup.finish_all_reduce_
 
     def timed(self, *args):
         start = time.perf_counter()
         original(self, *args)
         spent[0] += time.perf_counter() - start
 
-    process_group.ProcessGroup.all_reduce_ = timed
+    process_group.ProcessGroup.finish_all_reduce_ = timed
     return spent
+
+
+# name: (data kind, model builder, micro-batch S)
+PROCESS_MODELS = {
+    "MLP": ("mlp", lambda width: MLP(width), 256),
+    "CNN": ("cnn", lambda width: CNN(), 64),
+}
 
 
 def worker(arguments) -> None:
@@ -172,17 +182,17 @@ def worker(arguments) -> None:
     import popdist
     import popdist.poptorch
     popdist.init()
-    all_reduce = _time_all_reduces()
+    all_reduce = _time_all_reduce_waits()
     opts = popdist.poptorch.Options()
     opts.deviceIterations(arguments.iterations)
     opts.showCompilationProgressBar(False)
     opts.Training.gradientAccumulation(arguments.accumulation)
+    kind, build, micro_batch = PROCESS_MODELS[arguments.model]
     torch.manual_seed(0)
-    model = MLP(arguments.width)
+    model = build(arguments.width)
     training = poptorch.trainingModel(model, opts, _optimizer(model))
-    rows = (arguments.iterations * arguments.accumulation *
-            arguments.micro_batch)
-    x, y = data("mlp", rows, seed=popdist.getInstanceIndex())
+    rows = arguments.iterations * arguments.accumulation * micro_batch
+    x, y = data(kind, rows, seed=popdist.getInstanceIndex())
     training(x, y)
     all_reduce[0] = 0.0
     start = time.perf_counter()
@@ -196,10 +206,9 @@ def worker(arguments) -> None:
               flush=True)
 
 
-def _run_workers(instances: int, arguments) -> dict:
-    command = [sys.executable, __file__, "--worker",
+def _run_workers(instances: int, model: str, arguments) -> dict:
+    command = [sys.executable, __file__, "--worker", "--model", model,
                "--width", str(arguments.width),
-               "--micro-batch", str(arguments.process_micro_batch),
                "--iterations", str(arguments.iterations),
                "--accumulation", str(arguments.accumulation),
                "--calls", str(arguments.process_calls)]
@@ -219,23 +228,30 @@ def _run_workers(instances: int, arguments) -> dict:
 
 
 def process_table(arguments) -> None:
-    print(f"\n### 1 process vs 2 processes (poprun, 1 thread each, MLP width "
-          f"{arguments.width}, S = {arguments.process_micro_batch}, G = "
+    """Each model as 1 then 2 processes, ``process_repeats`` times in
+    turn; the speed-up is the median of the pairs' ratios."""
+    print(f"\n### 1 process vs 2 processes (poprun, 1 thread each, G = "
           f"{arguments.accumulation}, D = {arguments.iterations}, "
-          f"{arguments.process_calls} calls, best of "
-          f"{arguments.process_repeats})\n")
-    runs = {count: max((_run_workers(count, arguments)
-                        for _ in range(arguments.process_repeats)),
-                       key=lambda run: run["samples_per_second"])
-            for count in (1, 2)}
-    one = runs[1]["samples_per_second"]
-    print("| processes | samples/s (all processes) | speed-up | time in "
-          "gradient all-reduce (process 0, waiting included) |")
-    print("|---|---|---|---|")
-    for count, run in runs.items():
-        print(f"| {count} | {run['samples_per_second']:,.0f} | "
-              f"{run['samples_per_second'] / one:.2f} | "
-              f"{100 * run['all_reduce_share']:.0f}% |")
+          f"{arguments.process_calls} calls, {arguments.process_repeats} "
+          "pairs of runs)\n")
+    print("| model | 1 process samples/s | 2 processes samples/s | speed-up "
+          "(median, range) | time waiting for gradient all-reduces "
+          "(process 0) |")
+    print("|---|---|---|---|---|")
+    for model, (_, _, micro_batch) in PROCESS_MODELS.items():
+        pairs = [(_run_workers(1, model, arguments),
+                  _run_workers(2, model, arguments))
+                 for _ in range(arguments.process_repeats)]
+        ratios = sorted(two["samples_per_second"] / one["samples_per_second"]
+                        for one, two in pairs)
+        one = statistics.median(p[0]["samples_per_second"] for p in pairs)
+        two = statistics.median(p[1]["samples_per_second"] for p in pairs)
+        wait = statistics.median(p[1]["all_reduce_share"] for p in pairs)
+        name = (f"{model} (width {arguments.width}, S = {micro_batch})"
+                if model == "MLP" else f"{model} (S = {micro_batch})")
+        print(f"| {name} | {one:,.0f} | {two:,.0f} | "
+              f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-"
+              f"{ratios[-1]:.2f}) | {100 * wait:.0f}% |", flush=True)
 
 
 def main() -> None:
@@ -246,13 +262,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--process-micro-batch", type=int, default=256)
+    parser.add_argument("--model", choices=sorted(PROCESS_MODELS),
+                        default="MLP", help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=4,
                         help="gradient accumulation of the process runs: "
                         "one all-reduce per G micro-batches")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--process-calls", type=int, default=10)
-    parser.add_argument("--process-repeats", type=int, default=3)
+    parser.add_argument("--process-repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the in-process table")
     parser.add_argument("--skip-processes", action="store_true")

@@ -2,12 +2,15 @@
 
     distributed_program.py OUTPUT_DIR [--popdist] [--replicas R]
         [--device-iterations D] [--fail kill|raise|hang --fail-step N]
+        [--bucket-bytes B]
 
 Each process trains ``Net`` with a poptorch.DataLoader over ``dataset()``
 and saves the batches it saw and its final weights to
 ``OUTPUT_DIR/process<i>.pt``. The processes start from different weights
 (seed 1 + process id), so equal results show that they share process 0's.
 With ``--fail``, process 1 kills itself, raises or hangs before step N.
+``--bucket-bytes`` sets the gradient all-reduce's bucket size, so that this
+small model's gradients go in several buckets.
 """
 import argparse
 import os
@@ -70,7 +73,12 @@ def main() -> None:
     parser.add_argument("--device-iterations", type=int, default=1)
     parser.add_argument("--fail", choices=["kill", "raise", "hang"])
     parser.add_argument("--fail-step", type=int, default=1)
+    parser.add_argument("--bucket-bytes", type=int)
     arguments = parser.parse_args()
+    if arguments.bucket_bytes:
+        from poptorch._impl.distributed import gradients
+        gradients.FIRST_BUCKET_BYTES = arguments.bucket_bytes
+        gradients.BUCKET_BYTES = arguments.bucket_bytes
     options = _options(arguments)
     process = options.Distributed.processId
     torch.manual_seed(1 + process)

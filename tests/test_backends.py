@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.backends.cuda_graphs import cuda_graph_reason
 from conftest import (BatchNormNet, assert_same_weights, make_images,
                       options, reference_training)
 
@@ -131,6 +132,21 @@ def test_set_backend_rejects_bad_arguments(args, message):
     with pytest.raises(poptorch.Error, match=message):
         opts.setBackend(*args)
     assert opts.backend == "auto" and opts.cuda_graphs is False
+
+
+@pytest.mark.parametrize("writes, anchors, off_device, all_reduces, why", [
+    (True, False, False, False, "writes to its input tensors"),
+    (False, True, False, False, "anchored tensors"),
+    (False, False, True, False, "optimizer state is kept off the device"),
+    (False, False, False, True, "all-reduces the gradients with the other "
+     "processes"),
+])
+def test_cuda_graphs_say_why_a_cuda_model_cannot_use_them(
+        writes, anchors, off_device, all_reduces, why):
+    cuda = torch.device("cuda")
+    assert cuda_graph_reason(cuda, True, False, False, False, False) is None
+    assert why in cuda_graph_reason(cuda, True, writes, anchors, off_device,
+                                    all_reduces)
 
 
 def test_cuda_graphs_are_not_used_on_the_cpu():

@@ -88,11 +88,13 @@ def test_two_instances_train_like_one_process_with_two_replicas(tmp_path):
     """poprun --num-instances 2 --num-replicas 2 with popdist: each instance
     reads its contiguous half of the dataset, and the final weights equal
     one process running 2 replicas on the same micro-batches (process 0's
-    initial weights; atol 1e-6)."""
+    initial weights; atol 1e-6). The gradients are all-reduced in two
+    buckets (fc2's, then fc1's), the first started during the backward
+    pass."""
     result = subprocess.run(
         [sys.executable, "-m", "poptorch.run", "--num-instances", "2",
          "--num-replicas", "2", program.__file__, str(tmp_path), "--popdist",
-         "--device-iterations", "2"],
+         "--device-iterations", "2", "--bucket-bytes", "100"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     runs = [torch.load(tmp_path / f"process{i}.pt") for i in range(2)]

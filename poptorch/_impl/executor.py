@@ -88,6 +88,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._session = None
         self._timer: Optional[CallTimer] = None
         self._cuda_graph_call: Optional[CudaGraphCall] = None
+        self._all_reduces = False
         self._staged: Optional[staged_execution.StagedExecution] = None
 
     # --- attribute delegation -------------------------------------------
@@ -289,6 +290,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._training_layout = training
         processes = distributed.start_training(
             self._options, state, micro, bool(self._replicas.grouped))
+        self._all_reduces = processes.group is not None
         if self._staged is not None:
             self._staged.prepare_training(
                 training, settings, example,
@@ -391,10 +393,14 @@ class PoplarExecutor(CompiledExecutionMethods):
                 self._state.device, self._options.cuda_graphs,
                 bool(self._analysis.written_inputs),
                 bool(self._session.anchors),
-                self._training and self._state_location.off_chip)
+                self._training and self._state_location.off_chip,
+                self._training and self._all_reduces)
             if reason is None:
                 self._cuda_graph_call = CudaGraphCall(
                     self._device_loop, *self._state_io())
+            elif self._options.cuda_graphs:
+                info_once(f"setBackend(cuda_graphs=True): calls run without "
+                          f"a CUDA graph, because {reason}")
         if self._cuda_graph_call is not None:
             return self._cuda_graph_call(split)
         return self._device_loop(split, timer)

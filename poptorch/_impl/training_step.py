@@ -30,6 +30,7 @@ from .backends.in_place import Donation
 from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace, trace_user_code)
+from .distributed.gradients import start_all_reduces_early
 from .optimizers.global_attributes import (GlobalAttributes,
                                           PartialGradients, StepScaling)
 from .optimizers.gradient_reduction import GradientReduction
@@ -262,7 +263,8 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     ``forward(params, buffers, inputs)`` replaces ``micro_batch_forward``
     (replicas run it vectorised, see ``replication.py``);
     ``reduce_gradients(grads)`` combines the step's gradients with other
-    processes' before the update (``distributed/``)."""
+    processes' before the update; its collectives start as soon as their
+    gradients exist (``distributed/gradients.py``)."""
     if forward is None:
         forward = functools.partial(micro_batch_forward, call, analysis)
     running = (settings.gradients.start(example["trainable"])
@@ -302,7 +304,11 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     flat = (example["trainable"] + example["frozen"] + example["buffers"] +
             example["state"] + example["hyper"] + running + example["inputs"])
     with capture_scope(call.module, training_flags):
-        return trace_user_code(step, flat)
+        graph = trace_user_code(step, flat)
+    if reduce_gradients is not None:
+        start_all_reduces_early(graph.graph)
+        graph.recompile()
+    return graph
 
 
 def step_donation(example: Dict[str, List[torch.Tensor]], running: int,

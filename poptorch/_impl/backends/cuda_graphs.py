@@ -30,12 +30,16 @@ LoopBody = Callable[[List[torch.Tensor]], List[torch.Tensor]]
 
 def cuda_graph_reason(device: torch.device, requested: bool,
                       writes_inputs: bool, anchors: bool,
-                      state_off_device: bool) -> Optional[str]:
+                      state_off_device: bool,
+                      all_reduces: bool) -> Optional[str]:
     """Why calls cannot replay as a CUDA graph, or None when they can."""
     if not requested:
         return "not requested (setBackend(..., cuda_graphs=True))"
     if device.type != "cuda":
         return f"the model runs on {device.type}, not on a CUDA device"
+    if all_reduces:
+        return ("each step all-reduces the gradients with the other "
+                "processes, waited for on the host")
     if writes_inputs:
         return "forward writes to its input tensors"
     if anchors:

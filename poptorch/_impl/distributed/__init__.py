@@ -26,7 +26,7 @@ from ...enums import ReductionType
 from ...errors import Error
 from . import consistency, process_group
 from .environment import ProcessEnvironment, whole_replicas_per_instance
-from .gradients import gradient_reducer
+from .gradients import GradientAllReduce
 from .pipeline_processes import PipelineProcesses
 
 _compilations = itertools.count()
@@ -56,7 +56,7 @@ class TrainingProcesses:
         """The update graph's gradient all-reduce (None: one process)."""
         if self.group is None:
             return None
-        return gradient_reducer(average=reduction == ReductionType.Mean)
+        return GradientAllReduce(average=reduction == ReductionType.Mean)
 
     def pipelines(self, stages: int) -> Optional[PipelineProcesses]:
         """For a model of ``stages`` stages whose processes each run one

@@ -7,12 +7,13 @@ the CPU or NCCL on CUDA devices, rank = ``processId``, world size =
 program created itself is used as it is when its rank and size agree with
 the options. Collectives are started asynchronously and waited for through
 the ``FaultMonitor``, so a failed peer raises ``poptorch.Error`` instead of
-hanging.
+hanging; gradient all-reduces are waited for later than they start, so
+that they run while the step computes (``gradients.py``).
 """
 import atexit
 import datetime
 import os
-from typing import List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,24 @@ class ProcessGroup:
                                     environment.timeout,
                                     hosts_store=_hosts_store(self.rank))
         self.blocking = dist.get_backend() == "gloo"
+        self._pending: Dict[int, Tuple[dist.Work, int]] = {}
 
-    def all_reduce_(self, tensor: torch.Tensor, average: bool,
-                    what: str) -> None:
-        """Sum (or average) ``tensor`` over the processes, in place."""
+    def start_all_reduce_(self, tensor: torch.Tensor, key: int) -> None:
+        """Start summing ``tensor`` over the processes, in place; the
+        operation runs in the background until ``finish_all_reduce_(key)``.
+        """
+        if key in self._pending:
+            raise Error(f"Distributed run: all-reduce {key} started twice "
+                        "without waiting for it")
         sequence = self.monitor.start()
-        work = dist.all_reduce(tensor, async_op=True)
+        self._pending[key] = (dist.all_reduce(tensor, async_op=True),
+                              sequence)
+
+    def finish_all_reduce_(self, tensor: torch.Tensor, key: int,
+                           average: bool, what: str) -> None:
+        """Wait for the all-reduce ``key`` of ``tensor``; with ``average``,
+        divide the sum by the number of processes."""
+        work, sequence = self._pending.pop(key)
         self.monitor.wait(work, what, sequence, self.blocking)
         if average:
             tensor.div_(self.size)
