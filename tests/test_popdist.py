@@ -1,4 +1,5 @@
 """popdist, popdist.poptorch.Options and a real 2-instance poprun run."""
+import os
 import subprocess
 import sys
 
@@ -84,18 +85,21 @@ def _rows(batches):
 
 
 @pytest.mark.slow
-def test_two_instances_train_like_one_process_with_two_replicas(tmp_path):
+@pytest.mark.parametrize("backend", ["graph", "inductor"])
+def test_two_instances_train_like_one_process_with_two_replicas(tmp_path,
+                                                               backend):
     """poprun --num-instances 2 --num-replicas 2 with popdist: each instance
     reads its contiguous half of the dataset, and the final weights equal
     one process running 2 replicas on the same micro-batches (process 0's
     initial weights; atol 1e-6). The gradients are all-reduced in two
     buckets (fc2's, then fc1's), the first started during the backward
-    pass."""
+    pass; Inductor compiles the steps with those collectives too."""
     result = subprocess.run(
         [sys.executable, "-m", "poptorch.run", "--num-instances", "2",
          "--num-replicas", "2", program.__file__, str(tmp_path), "--popdist",
          "--device-iterations", "2", "--bucket-bytes", "100"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, POPTORCH_BACKEND=backend))
     assert result.returncode == 0, result.stderr
     runs = [torch.load(tmp_path / f"process{i}.pt") for i in range(2)]
     half = program.SAMPLES // 2
