@@ -1,6 +1,7 @@
 """Training models compute the same weights as plain PyTorch doing the same
 D x G x R steps (semantics.md, "One call of a wrapped model")."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -106,23 +107,37 @@ def test_param_groups_keep_their_own_hyper_parameters(mlp, twin):
     assert_same_weights(mlp, twin)
 
 
-@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_set_optimizer_applies_lr_scheduler_without_recompiling(mlp, twin):
+    """The scheduler steps after training calls as it does after
+    ``optimizer.step()``: same learning rates, and no warning that
+    ``lr_scheduler.step()`` came first."""
     optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
     model = poptorch.trainingModel(mlp, options(2), optimizer)
     reference = torch.optim.SGD(twin.parameters(), lr=0.1)
     reference_scheduler = torch.optim.lr_scheduler.StepLR(reference, 1, 0.5)
-    for call in range(3):
-        x, y = make_data(4, seed=call)
-        model(x, y)
-        scheduler.step()
-        model.setOptimizer(optimizer)
-        reference_training(twin, reference, (x, y), 2)
-        reference_scheduler.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(3):
+            x, y = make_data(4, seed=call)
+            model(x, y)
+            scheduler.step()
+            model.setOptimizer(optimizer)
+            reference_training(twin, reference, (x, y), 2)
+            reference_scheduler.step()
     steps = model._session.steps
     assert_same_weights(mlp, twin)
     assert model._session.steps is steps
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_a_scheduler_stepped_before_any_training_call_still_warns(mlp):
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    model = poptorch.trainingModel(mlp, options(2), optimizer)
+    model.compile(*make_data(4))
+    with pytest.warns(UserWarning, match="before `optimizer.step"):
+        scheduler.step()
 
 
 def test_default_optimizer_is_sgd_with_lr_0_01(mlp, twin):

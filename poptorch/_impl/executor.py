@@ -379,6 +379,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._training:
             self._sync.trained_on_device()
             self._loaded_version = self._sync.version
+            _mark_optimizer_stepped(self._optimizer)
         result = self._shape_outputs(outputs)
         timer.outputs_transferred(len(outputs))
         self._timer = timer
@@ -708,3 +709,11 @@ def _rebuild_executor(module, options, training, optimizer):
     return PoplarExecutor(module, options, training,
                           poptorch_version=__version__, optimizer=optimizer,
                           user_model=module)
+
+
+def _mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record that ``optimizer`` has stepped, as its own ``step()`` does
+    under a learning-rate scheduler: a training call applies optimizer
+    steps on the device, so ``scheduler.step()`` after it must not warn
+    that it came before ``optimizer.step()``."""
+    optimizer._opt_called = True
