@@ -171,9 +171,10 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         NO_EFFECT, "CPU/GPU arithmetic rounds to nearest; PyTorch has no "
         "stochastic rounding mode"),
     "Precision.halfFloatCasting": Effect(
-        NO_EFFECT, "mixed float16/float32 operations follow PyTorch type "
-        "promotion (like HalfUpcastToFloat); the spec marks this option as "
-        "about to be removed"),
+        IMPLEMENTED, "operations mixing float16 and float32 tensors compute "
+        "in float16 (Default, FloatDowncastToHalf) or float32 "
+        "(HalfUpcastToFloat); the spec marks this option as about to be "
+        "removed"),
     "Precision.runningStatisticsAlwaysFloat": Effect(
         NO_EFFECT, "running statistics keep the dtype of the module's "
         "buffers as in PyTorch; the spec marks this option as about to be "

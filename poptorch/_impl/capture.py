@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from ..errors import Error
 from . import blocks, losses
 from .compile_errors import capture_error
+from .half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .weight_sync import host_reads_suspended
 
@@ -109,13 +110,16 @@ def _remove_detaches(graph: torch.fx.Graph) -> None:
 
 @dataclasses.dataclass
 class ModelCall:
-    """How flat tensors become a call of the user's module."""
+    """How flat tensors become a call of the user's module; operations
+    mixing float16 and float32 tensors compute in ``mixed_dtype``
+    (``half_casting.py``)."""
     module: torch.nn.Module
     param_names: List[str]
     buffer_names: List[str]
     input_spec: pytree.TreeSpec
     input_leaves: List[object]
     tensor_positions: List[int]
+    mixed_dtype: torch.dtype
 
     def __call__(self, params: Sequence[torch.Tensor],
                  buffers: Sequence[torch.Tensor],
@@ -126,8 +130,9 @@ class ModelCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.input_spec)
         state = (dict(zip(self.param_names, params)),
                  dict(zip(self.buffer_names, buffers)))
-        return torch.func.functional_call(self.module, state, tuple(args),
-                                          dict(kwargs))
+        with MixedPrecisionCasting(self.mixed_dtype):
+            return torch.func.functional_call(self.module, state,
+                                              tuple(args), dict(kwargs))
 
 
 @dataclasses.dataclass

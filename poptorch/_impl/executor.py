@@ -26,6 +26,7 @@ from .batching import BatchLayout
 from .capture import ModelCall
 from .device_state import DeviceState
 from .devices import select_device
+from .half_casting import target_dtype
 from .logger import info_once, logger, warn_once
 from .optimizers import device_state as optimizer_state_dict
 from .optimizers.device_state import OptimizerDeviceState
@@ -169,9 +170,10 @@ class PoplarExecutor(CompiledExecutionMethods):
             grouped = replica_grouping.collect(
                 self._module, state.param_names, layout.replicas)
         grouped.check_rows(state.params)
-        model_call = ModelCall(self._module, state.param_names,
-                               state.buffer_names, call.spec,
-                               list(call.leaves), call.tensor_positions())
+        model_call = ModelCall(
+            self._module, state.param_names, state.buffer_names, call.spec,
+            list(call.leaves), call.tensor_positions(),
+            target_dtype(self._options.Precision.half_float_casting))
         inputs = [layout.split(t.to(device)) for t in _tensors(call)]
         micro = [(t if t.dim() == 0 else t[0, 0, 0]).clone() for t in inputs]
         analysis = capture.analyse(model_call, grouped.replica_params(

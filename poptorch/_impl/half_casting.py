@@ -1,0 +1,74 @@
+"""PopTorch's rule for operations that mix float16 and float32 tensors
+(features chapter "Half / float16 support", ``Precision.halfFloatCasting``).
+
+PyTorch promotes such an operation to float32, or refuses it (a float32
+``Linear`` called on a float16 input). PopTorch instead casts every input to
+float16 (``HalfFloatCastingBehavior.Default`` and ``FloatDowncastToHalf``),
+so float32 weights are converted to float16 when an operation meets a
+float16 input, while their gradients and updates stay float32;
+``HalfUpcastToFloat`` casts the float16 inputs to float32 instead.
+
+While the model's ``forward`` is captured, ``MixedPrecisionCasting`` looks
+at each torch function call: when its tensors of more than 0 dimensions
+include both float16 and float32 ones, those of the other dtype are cast to
+the chosen one (0-d tensors follow PyTorch's promotion, as Python numbers
+do). Calls that write to a tensor (in-place methods, ``out=``, item
+assignment), that convert types on purpose (``to``, ``type_as``) and batch
+normalisation (its float32 running statistics are updated in place; PyTorch
+already runs a float16 input with float32 statistics and weights) are left
+as they are.
+"""
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ..enums import HalfFloatCastingBehavior
+
+_MIXED = frozenset({torch.float16, torch.float32})
+
+_LEFT_AS_THEY_ARE = frozenset({
+    torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.type,
+    torch.Tensor.__setitem__, torch.nn.functional.batch_norm,
+    torch.nn.functional.instance_norm, torch.batch_norm,
+    torch.instance_norm,
+})
+
+
+def target_dtype(behavior: HalfFloatCastingBehavior) -> torch.dtype:
+    """The dtype that mixed float16/float32 operations compute in."""
+    if behavior == HalfFloatCastingBehavior.HalfUpcastToFloat:
+        return torch.float32
+    return torch.float16
+
+
+def _writes(func, kwargs) -> bool:
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    return in_place or name.startswith("__i") or "out" in kwargs
+
+
+def _cast_dtypes(values) -> set:
+    return {leaf.dtype for leaf in pytree.tree_leaves(values)
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+            and leaf.dtype in _MIXED}
+
+
+class MixedPrecisionCasting(TorchFunctionMode):
+    """Casts the float16/float32 tensors of mixed calls to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func not in _LEFT_AS_THEY_ARE and not _writes(func, kwargs)
+                and _cast_dtypes((args, kwargs)) == _MIXED):
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, self._cast, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 0 and tensor.dtype in _MIXED:
+            return tensor.to(self.dtype)
+        return tensor

@@ -1,0 +1,149 @@
+"""Operations mixing float16 and float32 tensors follow
+``Precision.halfFloatCasting`` (features chapter "Half / float16 support"):
+by default they compute in float16, so a float32 model takes float16
+inputs; ``HalfUpcastToFloat`` computes them in float32. Each case is
+compared with plain PyTorch doing the same casts by hand."""
+import copy
+
+import pytest
+import torch
+
+import poptorch
+from conftest import options
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(4, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y=None):
+        logits = self.out(torch.relu(self.hidden(x)))
+        if y is None:
+            return logits
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+def _by_hand(net, x, dtype):
+    """``net`` on ``x`` with every float tensor cast to ``dtype``."""
+    h = torch.nn.functional.linear(x.to(dtype), net.hidden.weight.to(dtype),
+                                   net.hidden.bias.to(dtype))
+    return torch.nn.functional.linear(torch.relu(h), net.out.weight.to(dtype),
+                                      net.out.bias.to(dtype))
+
+
+def _half_options(behavior=None, **extra):
+    opts = options(**extra)
+    if behavior is not None:
+        opts.Precision.halfFloatCasting(behavior)
+    return opts
+
+
+@pytest.mark.parametrize("behavior, dtype", [
+    (None, torch.float16),
+    (poptorch.HalfFloatCastingBehavior.FloatDowncastToHalf, torch.float16),
+    (poptorch.HalfFloatCastingBehavior.HalfUpcastToFloat, torch.float32),
+])
+def test_a_float32_model_runs_on_float16_inputs(behavior, dtype):
+    """In plain PyTorch the float16 input makes Linear raise; here the
+    weights are cast to float16 (or the input to float32); the output
+    equals PyTorch with those casts made by hand (exactly)."""
+    torch.manual_seed(0)
+    net = Classifier()
+    x = torch.randn(6, 4).half()
+    with pytest.raises(RuntimeError, match="dtype"):
+        net(x)
+    model = poptorch.inferenceModel(net, _half_options(behavior))
+    out = model(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, _by_hand(net, x, dtype), atol=0, rtol=0)
+
+
+def test_training_keeps_float32_weights_and_updates():
+    """float32 weights, float16 inputs: the forward pass runs in float16,
+    gradients reach the float32 weights through the casts, and the SGD
+    update is float32, as PyTorch computes it with the casts written out
+    (atol 1e-6 after two steps)."""
+    torch.manual_seed(0)
+    net = Classifier()
+    twin = copy.deepcopy(net)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    model = poptorch.trainingModel(
+        net, _half_options(), torch.optim.SGD(net.parameters(), lr=0.1,
+                                              momentum=0.9))
+    for seed in range(2):
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(6, 4, generator=generator).half()
+        y = torch.randint(0, 3, (6,), generator=generator)
+        logits, loss = model(x, y)
+        assert logits.dtype == torch.float16
+        optimizer.zero_grad()
+        reference = torch.nn.functional.cross_entropy(
+            _by_hand(twin, x, torch.float16), y)
+        reference.backward()
+        optimizer.step()
+        torch.testing.assert_close(loss, reference.detach(), atol=0, rtol=0)
+    for name, value in net.named_parameters():
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value, dict(twin.named_parameters())[name],
+                                   atol=1e-6, rtol=0)
+
+
+class Normalised(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return poptorch.identity_loss(self.norm(self.conv(x)).sum(),
+                                      reduction="sum")
+
+
+def test_batch_norm_keeps_float32_running_statistics():
+    """The convolution runs in float16; BatchNorm gets the float16
+    activations with its float32 weights and statistics, as PyTorch runs
+    it, and its running statistics stay float32 buffers updated like
+    PyTorch's (atol 1e-6)."""
+    torch.manual_seed(0)
+    net = Normalised()
+    twin = copy.deepcopy(net)
+    x = torch.randn(4, 2, 5, 5).half()
+    model = poptorch.trainingModel(
+        net, _half_options(), torch.optim.SGD(net.parameters(), lr=0.0))
+    model(x)
+    model.copyWeightsToHost()
+    activations = torch.nn.functional.conv2d(
+        x, twin.conv.weight.half(), twin.conv.bias.half(), padding=1)
+    twin.norm(activations)
+    assert net.norm.running_mean.dtype == torch.float32
+    torch.testing.assert_close(net.norm.running_mean,
+                               twin.norm.running_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(net.norm.running_var, twin.norm.running_var,
+                               atol=1e-6, rtol=0)
+
+
+class Conversions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((3,), 2.0))
+
+    def forward(self, x):
+        as_float = x.type_as(self.scale)       # a cast asked for: float32
+        scaled = x * torch.tensor(3.0)         # 0-d: PyTorch promotion
+        return as_float, scaled, x + self.scale
+
+
+def test_explicit_conversions_and_0d_tensors_follow_pytorch():
+    model = poptorch.inferenceModel(Conversions(), _half_options())
+    x = torch.tensor([1.0, 2.0, 3.0]).half()
+    as_float, scaled, mixed = model(x)
+    assert (as_float.dtype, scaled.dtype, mixed.dtype) == (
+        torch.float32, torch.float16, torch.float16)
+    torch.testing.assert_close(mixed, (x.float() + 2).half())
+
+
+def test_bad_casting_behavior_is_an_error():
+    with pytest.raises(poptorch.Error, match="halfFloatCasting"):
+        poptorch.Options().Precision.halfFloatCasting("half")
