@@ -172,6 +172,25 @@ def test_no_operation_moves_above_an_in_place_write(group):
     torch.testing.assert_close(later, torch.tensor(5.0))
 
 
+def test_random_draws_keep_their_order(group):
+    """A random draw that only feeds a bucket stays after the draws that
+    preceded it, so each draw gets the same numbers as in the traced
+    order."""
+
+    def step(g):
+        first = torch.rand_like(g)
+        flat = torch.cat([g * torch.rand_like(g)])
+        torch.ops.poptorch.all_reduce_start_(flat, 0)
+        torch.ops.poptorch.all_reduce_wait_(flat, 0, True)
+        return flat, first
+
+    graph = make_fx(step, tracing_mode="fake")(torch.zeros(4))
+    draws = [n for n in graph.graph.nodes
+             if n.target is torch.ops.aten.rand_like.default]
+    gradients.start_all_reduces_early(graph.graph)
+    assert [n for n in graph.graph.nodes if n in draws] == draws
+
+
 def test_a_step_without_collectives_is_left_as_traced():
     graph = make_fx(lambda a: (a * 2).sum(), tracing_mode="fake")(
         torch.zeros(3))

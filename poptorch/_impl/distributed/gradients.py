@@ -99,8 +99,8 @@ class GradientAllReduce:
 def start_all_reduces_early(graph: torch.fx.Graph) -> None:
     """Reorder ``graph`` so that each all-reduce start, and the operations
     that only feed it, run as soon as their inputs exist. No operation
-    moves above an operation that writes to a tensor in place (the graph's
-    order of writes and reads stays as traced)."""
+    moves above one that writes to a tensor in place or draws random
+    numbers (writes, reads and random draws stay in the traced order)."""
     starts = [node for node in graph.nodes
               if node.target is torch.ops.poptorch.all_reduce_start_.default]
     if not starts:
@@ -132,26 +132,29 @@ def _feeding(start: torch.fx.Node) -> Set[torch.fx.Node]:
     return feeding
 
 
-def _writes_in_place(node: torch.fx.Node) -> bool:
+def _order_sensitive(node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes to a tensor in place or draws random numbers
+    (it advances the generator), so that what runs before it matters."""
     target = node.target
     return (isinstance(target, torch._ops.OpOverload)
-            and target._schema.is_mutable)
+            and (target._schema.is_mutable
+                 or torch.Tag.nondeterministic_seeded in target.tags))
 
 
 def _as_early_as_possible(nodes: List[torch.fx.Node],
                           early: Set[torch.fx.Node]) -> List[torch.fx.Node]:
     """``nodes`` in a new order: the nodes of ``early`` as soon as their
-    inputs and every in-place write that preceded them are placed, the
-    others as they were."""
+    inputs and every order-sensitive node that preceded them are placed,
+    the others as they were."""
     waits_for: Dict[torch.fx.Node, Set[torch.fx.Node]] = {}
-    last_write = None
+    last_sensitive = None
     for node in nodes:
         if node in early:
             waits_for[node] = set(node.all_input_nodes)
-            if last_write is not None:
-                waits_for[node].add(last_write)
-        if _writes_in_place(node):
-            last_write = node
+            if last_sensitive is not None:
+                waits_for[node].add(last_sensitive)
+        if _order_sensitive(node):
+            last_sensitive = node
     placed: Set[torch.fx.Node] = set()
     order: List[torch.fx.Node] = []
 
@@ -179,9 +182,9 @@ def _early_followers(node: torch.fx.Node, early: Set[torch.fx.Node],
                      waits_for: Dict[torch.fx.Node, Set[torch.fx.Node]]
                      ) -> List[torch.fx.Node]:
     """The early nodes that may be waiting for ``node``: its users, and
-    (for an in-place write) the early nodes that wait for it."""
+    (for an order-sensitive node) the early nodes that wait for it."""
     followers = [user for user in node.users if user in early]
-    if _writes_in_place(node):
+    if _order_sensitive(node):
         followers += [other for other, needs in waits_for.items()
                       if node in needs]
     return followers
