@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from ..errors import Error
 from . import blocks, losses
 from .compile_errors import capture_error
+from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
 from .half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .weight_sync import host_reads_suspended
@@ -49,8 +50,10 @@ def isRunningOnIpu() -> bool:
 def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
                   ) -> Iterator[List[blocks.BlockRecord]]:
     """Mark capture in progress and apply the train/eval flags the module had
-    when it was wrapped (PopTorch wraps a shallow copy of the module). Yields
-    the list that receives the blocks met, when the scope ends.
+    when it was wrapped (PopTorch wraps a shallow copy of the module); batch
+    norm modules with ``momentum=None`` get a capturable momentum
+    (``cumulative_batch_norm.py``). Yields the list that receives the blocks
+    met, when the scope ends.
 
     Attributes that ``forward`` assigns while it is traced (the spec's
     ``model.i`` example) are frozen into the graph and restored on the host
@@ -67,6 +70,7 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
             for name, flag in training_flags.items():
                 if name in modules:
                     modules[name].training = flag
+            mark_cumulative_modules(modules.values())
             yield records
     finally:
         records.extend(blocks.end_capture())
@@ -130,7 +134,7 @@ class ModelCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.input_spec)
         state = (dict(zip(self.param_names, params)),
                  dict(zip(self.buffer_names, buffers)))
-        with MixedPrecisionCasting(self.mixed_dtype):
+        with MixedPrecisionCasting(self.mixed_dtype), CumulativeAverage():
             return torch.func.functional_call(self.module, state,
                                               tuple(args), dict(kwargs))
 
