@@ -8,7 +8,8 @@ loop: gradients are added to the running gradient sum as soon as they are
 computed (``accumulation.py``), linear layers traced under vmap get their
 bias added by the matrix product again (``linear_layers.py``), the
 optimizer's scaled additions run as one operation each
-(``scaled_addition.py``), and elementwise operations whose
+(``scaled_addition.py``), max pools on the CPU use the vectorised
+channels-last kernel (``pooling.py``), and elementwise operations whose
 first operand is dead afterwards (a tensor the step made, or an input the
 caller donates: the parameters and optimizer state a training step
 replaces) run in place (``in_place.py``).
@@ -21,6 +22,7 @@ from .accumulation import accumulate_where_computed
 from .backend import Backend, CompiledStep, register
 from .in_place import Donation, reuse_dead_tensors
 from .linear_layers import fuse_linear_layers
+from .pooling import pool_channels_last
 from .scaled_addition import fuse_scaled_additions
 
 
@@ -38,6 +40,7 @@ class GraphBackend(Backend):
         accumulate_where_computed(rewritten)
         fuse_linear_layers(rewritten)
         fuse_scaled_additions(rewritten)
+        pool_channels_last(rewritten)
         reuse_dead_tensors(rewritten, donation or Donation({}))
         return torch.fx.GraphModule(graph, rewritten)
 
