@@ -72,6 +72,27 @@ def test_inference_model_sees_newly_trained_weights(mlp):
     torch.testing.assert_close(after, mlp(x))
 
 
+@pytest.mark.parametrize("wrapped", ["before training", "after training"])
+def test_inference_compiled_after_training_starts_from_trained_weights(
+        mlp, twin, wrapped):
+    """An inference model whose first call comes after a training call
+    compiles from the trained weights (equal to plain PyTorch's, atol
+    1e-6), whether it was wrapped before or after the training model."""
+    x, y = make_data(4)
+    training = poptorch.trainingModel(
+        mlp, options(), torch.optim.SGD(mlp.parameters(), lr=0.5))
+    if wrapped == "before training":
+        inference = poptorch.inferenceModel(mlp)
+    training(x, y)
+    if wrapped == "after training":
+        inference = poptorch.inferenceModel(mlp)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.5)
+    reference.zero_grad()
+    twin(x, y)[1].backward()
+    reference.step()
+    torch.testing.assert_close(inference(x), twin(x), atol=1e-6, rtol=0)
+
+
 def test_host_changes_need_copy_weights_to_device(mlp):
     x, _ = make_data(2)
     model = poptorch.inferenceModel(mlp)

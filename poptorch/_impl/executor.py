@@ -165,6 +165,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                                 type(self._module).__name__)
             self._registered = True
         device = select_device(self._options.use_ipu_model)
+        self._sync.bring_host_up_to_date()
         with weight_sync.host_reads_suspended():
             state = DeviceState(self._module, device, self._buffer_sets())
             grouped = replica_grouping.collect(
