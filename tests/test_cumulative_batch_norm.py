@@ -29,23 +29,26 @@ class CumulativeNet(torch.nn.Module):
 
 @pytest.mark.parametrize("stages", [False, True])
 def test_training_keeps_the_cumulative_average_like_pytorch(stages):
-    """3 optimizer steps of 2 micro-batches each (6 batch-norm updates; the
-    second model runs as 2 pipelined stages): weights, running statistics
-    and num_batches_tracked equal plain PyTorch's (atol 1e-6), and the model
-    still has momentum=None afterwards."""
+    """3 optimizer steps of 3 micro-batches each (9 batch-norm updates; the
+    second model runs as 2 pipelined stages, the batch norm in the first):
+    weights, running statistics and num_batches_tracked equal plain
+    PyTorch's (atol 1e-6), and the model still has momentum=None
+    afterwards."""
     torch.manual_seed(0)
     net = CumulativeNet(stages)
     twin = copy.deepcopy(net)
-    opts = options(device_iterations=3, accumulation=2)
+    opts = options(device_iterations=3, accumulation=3)
     if stages:
         opts.setExecutionStrategy(poptorch.PipelinedExecution())
     model = poptorch.trainingModel(
         net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
-    x, y = make_data(3 * 2 * 5)
+    x, y = make_data(3 * 3 * 5)
     model(x, y)
     reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
-                       (x, y), device_iterations=3, accumulation=2)
-    assert int(net.norm.num_batches_tracked) == 6
+                       (x, y), device_iterations=3, accumulation=3)
+    assert int(net.norm.num_batches_tracked) == 9
+    if stages:
+        assert len(model._staged._staged.stages) == 2
     assert_same_weights(net, twin, atol=1e-6)
     assert net.norm.momentum is None
 

@@ -1065,3 +1065,72 @@ def test_grouped_weights_in_inference_give_each_replica_its_row(strategy):
             net.fc(torch.tanh(rows[d, r] @ net.weight[r % 2]))
             for r in range(4)]) for d in range(4)])
     close(out, expected.flatten(0, 2))
+
+
+# --- layers before the first block ---------------------------------------------
+
+class LaterBlocks(torch.nn.Module):
+    """``fc1`` carries no annotation; BeginBlock puts ``fc2`` on
+    ``first_ipu`` and, with ``two_blocks``, ``fc3`` on the IPU after it."""
+
+    def __init__(self, first_ipu, two_blocks=True):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = poptorch.BeginBlock(torch.nn.Linear(8, 8), "B",
+                                       ipu_id=first_ipu)
+        self.fc3 = torch.nn.Linear(8, 3)
+        if two_blocks:
+            self.fc3 = poptorch.BeginBlock(self.fc3, "C",
+                                           ipu_id=first_ipu + 1)
+
+    def forward(self, x, y):
+        out = self.fc3(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _stage_parameters(model):
+    """The model's parameter indices each stage reads."""
+    return [part.sources for part in model._staged._staged.stages]
+
+
+@pytest.mark.parametrize("make_strategy, first_ipu, stages", [
+    (poptorch.PipelinedExecution, 1, [[0, 1], [2, 3], [4, 5]]),
+    (lambda: poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement),
+     1, [[0, 1], [2, 3], [4, 5]]),
+    (poptorch.PipelinedExecution, 0, [[0, 1, 2, 3], [4, 5]]),
+    (lambda: poptorch.PipelinedExecution("B", "C"), 1,
+     [[0, 1, 2, 3], [4, 5]]),
+], ids=["same-as-ipu", "auto-increment", "first-block-on-ipu-0",
+        "explicit-stages"])
+def test_layers_before_the_first_block_go_on_the_ipu_before_it(
+        make_strategy, first_ipu, stages):
+    """BeginBlock(layer_n, ipu_id=m) places the layers before layer_n on
+    IPU m - 1 (guide, "Model partitioning using blocks"): their own stage,
+    unless the first block is on IPU 0 or the stages are listed by block
+    id (they then join the first stage). Training equals plain PyTorch
+    (atol 1e-6)."""
+    torch.manual_seed(0)
+    net = LaterBlocks(first_ipu)
+    twin = copy.deepcopy(net)
+    opts = options(device_iterations=ITERATIONS, accumulation=ACCUMULATION)
+    opts.setExecutionStrategy(make_strategy()).autoRoundNumIPUs(True)
+    model = poptorch.trainingModel(
+        net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    x, y = make_data(ROWS)
+    model(x, y)
+    plain_training(twin, reference, x, y)
+    assert [[i for i in part if i < 6] for part in _stage_parameters(model)] \
+        == stages
+    assert_same_weights(net, twin)
+
+
+def test_two_ipus_from_one_begin_block_need_a_pipeline_depth():
+    """BeginBlock(fc2, ipu_id=1) alone makes two stages (fc1 on IPU 0), so
+    training needs gradientAccumulation >= 3, as for any 2-stage
+    pipeline."""
+    model = poptorch.trainingModel(LaterBlocks(1, two_blocks=False),
+                                   options(accumulation=2))
+    with pytest.raises(poptorch.Error, match="A training pipeline of 2 "
+                       "stages .*gradientAccumulation must be at least 3"):
+        model(*make_data(2 * BATCH))

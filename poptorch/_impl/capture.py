@@ -292,7 +292,8 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         written_buffers=[i - len(params) for i in written
                          if len(params) <= i < num_state],
         written_inputs=[i - num_state for i in written if i >= num_state],
-        final_loss=None, params_reaching_loss=[], blocks=block_records)
+        final_loss=None, params_reaching_loss=[],
+        blocks=blocks.with_layers_before(block_records, graph.nodes))
     if training:
         outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
         loss_nodes = outputs[len(outputs) - found["num_losses"]:]

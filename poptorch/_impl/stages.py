@@ -103,8 +103,9 @@ def cut_into_stages(graph: fx.GraphModule,
                       for block, p in placements.items()}
 
     def given(node: fx.Node) -> Optional[int]:
-        block = (node.meta.get("custom") or {}).get(blocks.BLOCK_KEY)
-        return None if block is None else stage_of_block[block]
+        block = (node.meta.get("custom") or {}).get(
+            blocks.BLOCK_KEY, blocks.BEFORE_FIRST_BLOCK)
+        return stage_of_block.get(block)
 
     def describe(index: int) -> str:
         names = sorted(b for b, s in stage_of_block.items() if s == index)

@@ -24,7 +24,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ..enums import AutoStage, Liveness
 from ..errors import Error
-from .blocks import BlockRecord
+from .blocks import BEFORE_FIRST_BLOCK, BlockRecord
 from .logger import info_once
 
 
@@ -164,6 +164,14 @@ class ExecutionStrategy:
         raise NotImplementedError
 
 
+def _named(records: Sequence[BlockRecord]) -> List[BlockRecord]:
+    """The blocks the model names: explicit stages cannot list the layers
+    before the first block, which then join the first stage that uses
+    them."""
+    return [record for record in records
+            if record.user_id != BEFORE_FIRST_BLOCK]
+
+
 def _check_stages_cover(strategy: ExecutionStrategy, stages: List[Stage],
                         records: Sequence[BlockRecord]) -> None:
     """Each stage's blocks exist in the model and each block has a stage."""
@@ -252,6 +260,7 @@ class _StagedExecution(ExecutionStrategy):
 
     def _explicit_placements(self, records: Sequence[BlockRecord]
                              ) -> Dict[str, BlockPlacement]:
+        records = _named(records)
         _check_stages_cover(self, self._stages, records)
         by_id = {record.user_id: record for record in records}
         placements = {}
@@ -289,7 +298,9 @@ class PipelinedExecution(_StagedExecution):
                        ) -> Dict[str, BlockPlacement]:
         placements = super().resolve_blocks(records)
         previous: Optional[BlockRecord] = None
-        for record in sorted(records, key=lambda r: r.order):
+        placed = [record for record in records
+                  if record.user_id in placements]
+        for record in sorted(placed, key=lambda r: r.order):
             if previous is not None and placements[record.user_id].stage_id \
                     < placements[previous.user_id].stage_id:
                 raise Error(
@@ -391,6 +402,7 @@ class _PhasedExecution(ExecutionStrategy):
 
     def resolve_blocks(self, records: Sequence[BlockRecord]
                        ) -> Dict[str, BlockPlacement]:
+        records = _named(records)
         _check_stages_cover(self, self._all_stages(), records)
         by_id = {record.user_id: record for record in records}
         placements: Dict[str, BlockPlacement] = {}
