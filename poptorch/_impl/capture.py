@@ -35,6 +35,7 @@ from .compile_errors import capture_error
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
 from .half_casting import MixedPrecisionCasting
 from .names import module_scopes
+from .recurrent_layers import RecurrentLayersWithoutOneDnn
 from .weight_sync import host_reads_suspended
 
 _capturing = [0]
@@ -134,7 +135,8 @@ class ModelCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.input_spec)
         state = (dict(zip(self.param_names, params)),
                  dict(zip(self.buffer_names, buffers)))
-        with MixedPrecisionCasting(self.mixed_dtype), CumulativeAverage():
+        with MixedPrecisionCasting(self.mixed_dtype), CumulativeAverage(), \
+                RecurrentLayersWithoutOneDnn():
             return torch.func.functional_call(self.module, state,
                                               tuple(args), dict(kwargs))
 
