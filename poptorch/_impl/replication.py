@@ -16,7 +16,8 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   mean-reduced loss is the mean over its own S samples), BatchNorm
   statistics and outputs are exactly those of a replica run on its own
   (BatchNorm in training runs each replica's slice through PyTorch's kernel
-  without the batching rule's copies, ``replica_batch_norm.py``).
+  without the batching rule's copies, ``replica_batch_norm.py``; CPU
+  attention runs as operations vmap batches, ``replica_attention.py``).
   The backward pass starts from the replicas' mean loss for
   ``ReductionType.Mean`` (their sum for ``Sum``), so the step is one
   micro-batch of the G in an optimizer step (``step_replicas``): since the
@@ -52,6 +53,7 @@ from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                       trace_user_code)
 from .logger import logger
 from .outputs import OutputCollector
+from .replica_attention import batched_attention
 from .replica_batch_norm import per_replica_statistics
 from .replica_grouping import GroupedWeights, ReplicaGrouping
 from .training_step import micro_batch_forward, trace_training_step
@@ -189,7 +191,7 @@ class ReplicaExecution:
             params, inputs, param_dims, input_dims = self._per_replica(
                 params, inputs, reduction)
             dims = (param_dims, self._written_dims(len(buffers)), input_dims)
-            with per_replica_statistics():
+            with per_replica_statistics(), batched_attention():
                 return torch.func.vmap(micro, in_dims=dims,
                                        randomness="different")(
                                            params, buffers, inputs)
@@ -296,9 +298,10 @@ class ReplicaExecution:
             params, inputs, param_dims, input_dims = self._per_replica(
                 params, inputs, None)
             dims = (param_dims, self._written_dims(num_buffers), input_dims)
-            new_buffers, outputs = torch.func.vmap(
-                micro, in_dims=dims, randomness="different")(
-                    params, buffers, inputs)
+            with batched_attention():
+                new_buffers, outputs = torch.func.vmap(
+                    micro, in_dims=dims, randomness="different")(
+                        params, buffers, inputs)
             return new_buffers + outputs
 
         with capture_scope(call.module, flags):
