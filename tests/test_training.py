@@ -215,3 +215,51 @@ def test_user_autograd_function_trains_with_its_own_backward():
     reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
                        (x, y), 2)
     assert_same_weights(net, twin)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs its middle layer under torch.utils.checkpoint."""
+
+    def __init__(self, reentrant=False):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h = torch.relu(self.a(x))
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
+        out = self.c(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("replicas, path", [(1, "single"),
+                                            (2, "sequential")])
+def test_torch_checkpoint_recomputes_with_the_current_weights(replicas,
+                                                               path):
+    """torch.utils.checkpoint recomputes its function in the backward pass:
+    over 2 optimizer steps per call it must read the weights of each step,
+    not those the model was captured with (atol 1e-6 against plain
+    PyTorch). vmap cannot recompute outside its scope, so replicas run one
+    after another."""
+    torch.manual_seed(0)
+    net = _Checkpointed()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(device_iterations=2, accumulation=2, replicas=replicas),
+        torch.optim.SGD(net.parameters(), lr=0.5))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.5)
+    x, y = make_data(8 * replicas)
+    model(x, y)
+    reference_training(twin, reference, (x, y), device_iterations=2,
+                       accumulation=2, replicas=replicas)
+    assert_same_weights(net, twin, atol=1e-6)
+    assert model._replicas.path == path
+
+
+def test_reentrant_torch_checkpoint_is_an_error_naming_the_fix():
+    model = poptorch.trainingModel(_Checkpointed(reentrant=True))
+    with pytest.raises(poptorch.Error, match="use_reentrant"):
+        model(*make_data(4))

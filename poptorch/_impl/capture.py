@@ -126,6 +126,20 @@ class ModelCall:
     tensor_positions: List[int]
     mixed_dtype: torch.dtype
 
+    @contextlib.contextmanager
+    def bound(self, params: Sequence[torch.Tensor],
+              buffers: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The module's parameters and buffers read as ``params`` and
+        ``buffers`` in the block. A training step keeps them bound through
+        its backward pass, where ``torch.utils.checkpoint`` runs parts of
+        ``forward`` again: without it, the recomputation would read the
+        module's own tensors as constants, stale after the first update."""
+        state = dict(zip(self.param_names, params))
+        state.update(zip(self.buffer_names, buffers))
+        with torch.nn.utils.stateless._reparametrize_module(
+                self.module, state, tie_weights=True):
+            yield
+
     def __call__(self, params: Sequence[torch.Tensor],
                  buffers: Sequence[torch.Tensor],
                  inputs: Sequence[torch.Tensor]):

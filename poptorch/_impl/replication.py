@@ -216,8 +216,10 @@ class ReplicaExecution:
     def _probe(self, call: ModelCall, params: List[torch.Tensor],
                buffer_sets: List[List[torch.Tensor]],
                split: List[torch.Tensor], flags: Dict[str, bool]) -> None:
-        """Trace the vectorised forward pass with gradients recorded, as
-        training runs it; raises ``poptorch.Error`` if vmap cannot."""
+        """Trace the vectorised forward and backward passes, as training
+        runs them; raises ``poptorch.Error`` if vmap cannot (the backward
+        pass too: ``torch.utils.checkpoint`` recomputes parts of
+        ``forward`` there, outside vmap)."""
         forward = self._vectorised_forward(call, None)
         sizes = [len(params), len(buffer_sets[0])]
 
@@ -225,9 +227,13 @@ class ReplicaExecution:
             params, buffers, inputs = split_flat(flat, sizes)
             params = [p.detach().requires_grad_() if p.is_floating_point()
                       else p for p in params]
-            with torch.enable_grad():
+            trained = [p for p in params if p.requires_grad]
+            with torch.enable_grad(), call.bound(params, buffers):
                 values, outputs, written = forward(params, buffers, inputs)
-            return [values] + outputs + written
+                grads = torch.autograd.grad(values.sum(), trained,
+                                            allow_unused=True)
+            return ([values] + outputs + written +
+                    [g for g in grads if g is not None])
 
         example = (params + self._stacked_buffers(buffer_sets) +
                    self._example_inputs(split))

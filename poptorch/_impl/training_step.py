@@ -280,9 +280,9 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
                                            state[layout.state_size():])
 
         trainable = [t.detach().requires_grad_() for t in trainable]
-        with torch.enable_grad():
-            value, outputs, written = forward(layout.merge(trainable, frozen),
-                                              buffers, inputs)
+        params = layout.merge(trainable, frozen)
+        with torch.enable_grad(), call.bound(params, buffers):
+            value, outputs, written = forward(params, buffers, inputs)
             value = scaling.scale_loss(value,
                                        settings.gradients.loss_factor())
             grads = torch.autograd.grad(value, trainable, allow_unused=True)
