@@ -400,6 +400,55 @@ def test_resuming_from_state_dicts_is_bit_identical(case, compile_first):
         assert torch.equal(a, b)
 
 
+def test_a_torch_optimizer_state_dict_holds_the_device_state(pair):
+    """A torch.optim optimizer trained by a model returns torch's own state
+    dict, with the state the device holds: equal to torch's Adam after the
+    same steps (atol 1e-5)."""
+    mlp, twin = pair
+    optimizer = T.AdamW(mlp.parameters(), lr=0.01)
+    model = poptorch.trainingModel(mlp, options(2), optimizer)
+    reference = T.AdamW(twin.parameters(), lr=0.01)
+    train_both(model, twin, reference, calls=2)
+    ours, theirs = optimizer.state_dict(), reference.state_dict()
+    assert set(ours) == {"state", "param_groups"}
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, state in theirs["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(ours["state"][index][name], value,
+                                       atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compile_first", [False, True],
+                         ids=["load-then-compile", "compile-then-load"])
+def test_resuming_a_torch_optimizer_continues_the_same_training(
+        compile_first):
+    """3 calls, against 2 calls, a checkpoint of torch.optim.Adam's state
+    dict and the model's, loaded into new ones, and a third call: the same
+    weights (exactly)."""
+    opts = options(2, 2)
+    uninterrupted = fresh_mlp()
+    model = poptorch.trainingModel(uninterrupted, opts,
+                                   T.Adam(uninterrupted.parameters(), lr=0.01))
+    run_calls(model, 0, 3)
+    saved_module = fresh_mlp()
+    saved_optimizer = T.Adam(saved_module.parameters(), lr=0.01)
+    saved = poptorch.trainingModel(saved_module, opts, saved_optimizer)
+    run_calls(saved, 0, 2)
+    weights = checkpoint(saved.state_dict())
+    optimizer_state = checkpoint(saved_optimizer.state_dict())
+
+    resumed_module = fresh_mlp(seed=1)
+    optimizer = T.Adam(resumed_module.parameters(), lr=0.01)
+    resumed = poptorch.trainingModel(resumed_module, opts, optimizer)
+    if compile_first:
+        run_calls(resumed, 10, 1)
+    resumed.load_state_dict(weights)
+    optimizer.load_state_dict(optimizer_state)
+    run_calls(resumed, 2, 1)
+    for a, b in zip(uninterrupted.parameters(), resumed_module.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_state_dict_is_torch_format_with_device_extras(pair):
     mlp, twin = pair
     optimizer = P.Adam(mlp.parameters(), lr=0.01)

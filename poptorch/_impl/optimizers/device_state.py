@@ -26,7 +26,13 @@ plus the key ``"poptorch"``:
   finite steps in a row (None without automatic loss scaling).
 
 A state dictionary without the ``"poptorch"`` key (from a torch.optim
-optimizer, say) cannot be loaded into an optimizer used by a training model.
+optimizer, say) cannot be loaded into a poptorch.optim optimizer used by a
+training model.
+
+A torch.optim optimizer keeps torch's own ``state_dict()``: state dict hooks
+copy the device state into its ``state`` first, and ``load_state_dict()``
+puts the loaded ``state`` on the device, so checkpoints of torch.optim
+optimizers hold (and restore) the trained state.
 """
 import dataclasses
 import math
@@ -44,6 +50,7 @@ FORMAT_VERSION = 1
 
 _MODEL = "_poptorch_training_model"
 _SAVED = "_poptorch_saved_state"
+_HOOKED = "_poptorch_state_hooks"
 
 ParamState = Dict[str, Tensor]
 
@@ -233,8 +240,34 @@ def _saved_state(optimizer: torch.optim.Optimizer) -> Optional[Dict]:
 # --- the link between an optimizer and its training model ---------------------
 
 def link(optimizer: torch.optim.Optimizer, model: Any) -> None:
-    """Make ``optimizer``'s state dict read and write ``model``'s state."""
+    """Make ``optimizer``'s state dict read and write ``model``'s state:
+    through ``save_state_dict`` / ``load_state_dict`` for poptorch.optim
+    optimizers, through torch's state dict hooks for torch.optim ones."""
     optimizer.__dict__[_MODEL] = weakref.ref(model)
+    if (type(optimizer).state_dict is torch.optim.Optimizer.state_dict
+            and not optimizer.__dict__.get(_HOOKED)):
+        optimizer.register_state_dict_pre_hook(_device_state_to_host)
+        optimizer.register_load_state_dict_post_hook(_host_state_to_device)
+        optimizer.__dict__[_HOOKED] = True
+
+
+def _device_state_to_host(optimizer: torch.optim.Optimizer) -> None:
+    """Before a torch.optim optimizer's ``state_dict()``: the state of the
+    compiled training model using it, into ``optimizer.state``."""
+    device = _compiled_state(linked_model(optimizer))
+    if device is not None:
+        device.store_on_optimizer(optimizer)
+
+
+def _host_state_to_device(optimizer: torch.optim.Optimizer) -> None:
+    """After a torch.optim optimizer's ``load_state_dict()``: its new
+    ``optimizer.state`` becomes the compiled training model's state from
+    the next call (a model compiled later reads it when it compiles)."""
+    device = _compiled_state(linked_model(optimizer))
+    if device is not None:
+        states = [optimizer.state.get(p, {}) for p in device.host_params]
+        device.replace(device.build(states, [None] * len(states),
+                                    device.loaded_scale_state({})))
 
 
 def unlink(optimizer: torch.optim.Optimizer, model: Any) -> None:
