@@ -402,6 +402,17 @@ def test_resuming_from_state_dicts_is_bit_identical(case, compile_first):
         assert torch.equal(a, b)
 
 
+def assert_same_torch_state(ours, theirs):
+    """Two state dicts' ``"state"`` entries hold the same parameters, keys
+    and values (atol ``ATOL``)."""
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, state in theirs["state"].items():
+        assert ours["state"][index].keys() == state.keys()
+        for name, value in state.items():
+            torch.testing.assert_close(ours["state"][index][name], value,
+                                       atol=ATOL, rtol=1e-5)
+
+
 def test_a_torch_optimizer_state_dict_holds_the_device_state(pair):
     """A torch.optim optimizer trained by a model returns torch's own state
     dict, with the state the device holds: equal to torch's Adam after the
@@ -413,11 +424,7 @@ def test_a_torch_optimizer_state_dict_holds_the_device_state(pair):
     train_both(model, twin, reference, calls=2)
     ours, theirs = optimizer.state_dict(), reference.state_dict()
     assert set(ours) == {"state", "param_groups"}
-    assert ours["state"].keys() == theirs["state"].keys()
-    for index, state in theirs["state"].items():
-        for name, value in state.items():
-            torch.testing.assert_close(ours["state"][index][name], value,
-                                       atol=ATOL, rtol=1e-5)
+    assert_same_torch_state(ours, theirs)
 
 
 def test_state_dict_is_torch_format_with_device_extras(pair):
@@ -428,12 +435,7 @@ def test_state_dict_is_torch_format_with_device_extras(pair):
     train_both(model, twin, reference, calls=3)
     ours, theirs = optimizer.state_dict(), reference.state_dict()
     assert set(ours) == {"state", "param_groups", "poptorch"}
-    assert ours["state"].keys() == theirs["state"].keys()
-    for index, state in theirs["state"].items():
-        assert ours["state"][index].keys() == state.keys()
-        for name, value in state.items():
-            torch.testing.assert_close(ours["state"][index][name], value,
-                                       atol=ATOL, rtol=1e-5)
+    assert_same_torch_state(ours, theirs)
     extras = ours["poptorch"]
     assert extras["version"] == 1 and extras["loss_scale"] is None
     assert set(extras["device_state"][0]) == {"exp_avg", "exp_avg_sq", "step"}

@@ -374,31 +374,27 @@ class NameScope:
 #: The block of the operations that run before the first block begins.
 BEFORE_FIRST_BLOCK = "<layers before the first block>"
 
-_BOOKKEEPING = (torch.ops.aten.detach.default,)
-
 
 def with_layers_before(records: List[BlockRecord],
                        nodes: Iterable[torch.fx.Node]) -> List[BlockRecord]:
     """``records``, preceded by a block for the operations traced before
     the first block began when there are any: the guide places "all layers
     before ``layer_n``" on IPU ``m - 1`` when ``BeginBlock(layer_n,
-    ipu_id=m)`` is the first block. None when the first block has no
-    ``ipu_id`` or is on IPU 0 (the operations then join the first stage
+    ipu_id=m)`` is the first block. No such block when the first block has
+    no ``ipu_id`` or is on IPU 0 (the operations then join the first stage
     that uses them)."""
     if not records:
         return records
     first = min(records, key=lambda record: record.order)
     if first.ipu_id is None or first.ipu_id < 1:
         return records
-    for node in nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        if (node.meta.get("custom") or {}).get(BLOCK_KEY) is not None:
-            return records
-        if node.target not in _BOOKKEEPING:
-            return [BlockRecord(BEFORE_FIRST_BLOCK, first.ipu_id - 1,
-                                first.order - 1)] + list(records)
-    return records
+    operation = next((node for node in nodes if node.op in
+                      ("call_function", "call_method", "call_module")), None)
+    if operation is None or \
+            (operation.meta.get("custom") or {}).get(BLOCK_KEY) is not None:
+        return records
+    return [BlockRecord(BEFORE_FIRST_BLOCK, first.ipu_id - 1,
+                        first.order - 1)] + list(records)
 
 
 def propagate_block_annotations(nodes: Iterable[torch.fx.Node]) -> None:

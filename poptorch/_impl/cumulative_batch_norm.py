@@ -12,7 +12,6 @@ operations: ``running = (1 - f) * running + f * batch`` with
 ``f = 1 / num_batches_tracked`` and the unbiased batch variance, as
 PyTorch's kernel updates them.
 """
-import inspect
 from typing import Iterable, Optional
 
 import torch
@@ -21,7 +20,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-_BATCH_NORM = inspect.signature(F.batch_norm)
+from .replica_batch_norm import batch_norm_arguments
 
 
 class CumulativeMomentum(float):
@@ -50,9 +49,7 @@ class CumulativeAverage(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.batch_norm:
-            call = _BATCH_NORM.bind(*args, **kwargs)
-            call.apply_defaults()
-            arguments = call.arguments
+            arguments = batch_norm_arguments(*args, **kwargs)
             if (isinstance(arguments["momentum"], CumulativeMomentum)
                     and arguments["training"]
                     and arguments["running_mean"] is not None):

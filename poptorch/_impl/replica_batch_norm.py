@@ -203,7 +203,7 @@ class _RouteBatchNorm(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not torch.nn.functional.batch_norm:
             return func(*args, **kwargs)
-        bound = _batch_norm_arguments(*args, **kwargs)
+        bound = batch_norm_arguments(*args, **kwargs)
         if not bound["training"]:
             return func(*args, **kwargs)
         running: List[Optional[Tensor]] = [bound["running_mean"],
@@ -217,9 +217,10 @@ class _RouteBatchNorm(TorchFunctionMode):
         return out
 
 
-def _batch_norm_arguments(input, running_mean, running_var, weight=None,
-                          bias=None, training=False, momentum=0.1,
-                          eps=1e-5):
+def batch_norm_arguments(input, running_mean, running_var, weight=None,
+                         bias=None, training=False, momentum=0.1,
+                         eps=1e-5) -> dict:
+    """The arguments of an ``F.batch_norm`` call, by name."""
     return {"input": input, "running_mean": running_mean,
             "running_var": running_var, "weight": weight, "bias": bias,
             "training": training, "momentum": momentum, "eps": eps}

@@ -147,12 +147,16 @@ def _as_early_as_possible(nodes: List[torch.fx.Node],
     inputs and every order-sensitive node that preceded them are placed,
     the others as they were."""
     waits_for: Dict[torch.fx.Node, Set[torch.fx.Node]] = {}
+    followers: Dict[torch.fx.Node, List[torch.fx.Node]] = {}
     last_sensitive = None
     for node in nodes:
         if node in early:
-            waits_for[node] = set(node.all_input_nodes)
+            needs = set(node.all_input_nodes)
             if last_sensitive is not None:
-                waits_for[node].add(last_sensitive)
+                needs.add(last_sensitive)
+            waits_for[node] = needs
+            for need in needs:
+                followers.setdefault(need, []).append(node)
         if _order_sensitive(node):
             last_sensitive = node
     placed: Set[torch.fx.Node] = set()
@@ -166,25 +170,10 @@ def _as_early_as_possible(nodes: List[torch.fx.Node],
                 continue
             order.append(current)
             placed.add(current)
-            for follower in _early_followers(current, early, waits_for):
-                if follower not in placed and waits_for[follower] <= placed:
-                    ready.append(follower)
+            ready.extend(follower for follower in followers.get(current, ())
+                         if waits_for[follower] <= placed)
 
     for node in nodes:
-        if node not in early and node not in placed:
-            place(node)
-        elif node in early and node not in placed and not waits_for[node]:
+        if node not in placed and (node not in early or not waits_for[node]):
             place(node)
     return order
-
-
-def _early_followers(node: torch.fx.Node, early: Set[torch.fx.Node],
-                     waits_for: Dict[torch.fx.Node, Set[torch.fx.Node]]
-                     ) -> List[torch.fx.Node]:
-    """The early nodes that may be waiting for ``node``: its users, and
-    (for an order-sensitive node) the early nodes that wait for it."""
-    followers = [user for user in node.users if user in early]
-    if _order_sensitive(node):
-        followers += [other for other, needs in waits_for.items()
-                      if node in needs]
-    return followers
