@@ -202,6 +202,15 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "TensorLocationSettings.useIOTilesToLoad": _IO_TILES,
     "TensorLocationSettings.useIOTilesToStore": _IO_TILES,
     "Distributed.configureProcessId": _DISTRIBUTED,
+    "_Popart.set": Effect(
+        NO_EFFECT, "PopART session options (every key) configure PopART's "
+        "IPU compiler, which is not used here"),
+    "_Popart.setEngineOptions": Effect(
+        NO_EFFECT, "Poplar engine options configure the IPU runtime, which "
+        "is not used here"),
+    "_Popart.setPatterns": Effect(
+        NO_EFFECT, "PopART graph transformation patterns do not exist; "
+        "PyTorch's own compilers transform the captured graph"),
     "Distributed.disable": _DISTRIBUTED,
     "Distributed.setEnvVarNames": _DISTRIBUTED,
 }
@@ -774,6 +783,55 @@ class _TensorLocationOptions(_OptionsGroup):
                                     "accumulator_location", location)
 
 
+_POPART_VALUE_TYPES = (bool, int, float, str, list, tuple, dict)
+
+
+class _PopartOptions(_OptionsGroup):
+    """Options of PopART, PopTorch's IPU compiler (``opts._Popart``). They
+    are accepted so that programs setting them run; none has an effect
+    here."""
+    _DISPLAY_NAME = "_PopartOptions"
+    _DEFAULTS = {"options": {}, "engine_options": {}, "patterns": {},
+                 "patterns_level": 2}
+
+    options = _read_only("options", "PopART session options set by key.")
+    engine_options = _read_only(
+        "engine_options", "Poplar engine options (default empty).")
+    patterns = _read_only("patterns", "PopART pattern name -> enabled.")
+    patterns_level = _read_only(
+        "patterns_level", "PopART patterns level (default 2).")
+
+    def set(self, key: str, value: Any) -> "_PopartOptions":
+        """Set the PopART session option ``key`` to ``value``."""
+        option = "_Popart.set"
+        _check_str(f"{option} key", key)
+        if not isinstance(value, _POPART_VALUE_TYPES):
+            raise _invalid(f"{option} value for {key!r}",
+                           "a bool, int, float, str, list or dict", value)
+        return self._store(option, options={**self.options, key: value})
+
+    def setEngineOptions(self, engine_options: Dict[str, str]
+                         ) -> "_PopartOptions":
+        """Set Poplar engine options (a dict of str to str)."""
+        option = "_Popart.setEngineOptions"
+        if not isinstance(engine_options, dict) or not all(
+                isinstance(key, str) for key in engine_options):
+            raise _invalid(option, "a dict with str keys", engine_options)
+        return self._store(option, engine_options=dict(engine_options))
+
+    def setPatterns(self, patterns: Dict[str, bool],
+                    level: int = 2) -> "_PopartOptions":
+        """Enable or disable PopART patterns by name on top of ``level``."""
+        option = "_Popart.setPatterns"
+        if not isinstance(patterns, dict) or not all(
+                isinstance(key, str) and isinstance(value, bool)
+                for key, value in patterns.items()):
+            raise _invalid(option, "a dict of str to bool", patterns)
+        _check_int(f"{option} level", level, minimum=0)
+        return self._store(option, patterns=dict(patterns),
+                           patterns_level=level)
+
+
 _PROCESS_ENVIRONMENTS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
                          ("WORLD_SIZE", "RANK"))
 
@@ -864,7 +922,7 @@ class Options(_OptionsGroup):
     """
     _DISPLAY_NAME = "Options"
     _GROUPS = ("Training", "Precision", "TensorLocations", "Jit",
-               "Distributed")
+               "Distributed", "_Popart")
     _DEFAULTS = {
         "device_iterations": 1,
         "replication_factor": 1,
@@ -912,6 +970,7 @@ class Options(_OptionsGroup):
         self._tensor_locations = _TensorLocationOptions()
         self._jit = _JitOptions()
         self._distributed = _DistributedOptions()
+        self._popart = _PopartOptions()
 
     def _reference(self) -> "Options":
         reference = Options.__new__(Options)
@@ -944,6 +1003,12 @@ class Options(_OptionsGroup):
     def Distributed(self) -> _DistributedOptions:
         """Options of distributed execution over several processes."""
         return self._distributed
+
+    @property
+    def _Popart(self) -> _PopartOptions:
+        """Options of PopART, PopTorch's IPU compiler: accepted, without
+        effect here."""
+        return self._popart
 
     # Read-side properties ---------------------------------------------------
 
@@ -1337,7 +1402,7 @@ class Options(_OptionsGroup):
 _VOCABULARY = config_file.Vocabulary(
     option_paths=frozenset(
         path for path in OPTION_EFFECTS
-        if not path.startswith("TensorLocationSettings.")),
+        if not path.startswith(("TensorLocationSettings.", "_"))),
     settings_class=TensorLocationSettings,
     settings_methods=frozenset(
         path.split(".", 1)[1] for path in OPTION_EFFECTS

@@ -61,10 +61,12 @@ def counting(monkeypatch):
     return backend
 
 
-def _model(cache_dir, device_iterations=2, seed=0, lr=0.1):
+def _model(cache_dir, device_iterations=2, seed=0, lr=0.1, popart=None):
     torch.manual_seed(seed)
     net = BatchNormNet()
     opts = options(device_iterations).setBackend("counting")
+    for key, value in (popart or {}).items():
+        opts._Popart.set(key, value)
     if cache_dir is not None:
         opts.enableExecutableCaching(str(cache_dir))
     return poptorch.trainingModel(net, opts,
@@ -118,6 +120,13 @@ def test_weights_and_hyper_parameters_are_inputs_not_part_of_the_key(
     losses = _losses(other)
     assert counting.compiles == 1 and counting.loads == 1
     assert torch.equal(losses, _losses(_reference(seed=3, lr=0.5)))
+
+
+def test_popart_options_without_effect_are_not_part_of_the_key(
+        counting, tmp_path):
+    _losses(_model(tmp_path))
+    _losses(_model(tmp_path, popart={"outlineThreshold": 10.0}))
+    assert counting.compiles == 1 and counting.loads == 1
 
 
 @pytest.mark.parametrize("change", ["options", "input shape"])

@@ -103,6 +103,10 @@ EXAMPLE_CALLS = {
     "Distributed.configureProcessId": (1, 2),
     "Distributed.disable": (),
     "Distributed.setEnvVarNames": ("TEST_NUM_PROCESSES", "TEST_PROCESS_ID"),
+    "_Popart.set": ("outlineThreshold", 10.0),
+    "_Popart.setEngineOptions": ({"opt.internalExchangeOptimisationTarget":
+                                  "balanced"},),
+    "_Popart.setPatterns": ({"PreUniRepl": False}, 1),
 }
 
 _NOT_SETTERS = {"clone", "toDict", "loadFromFile", "defaultOutputMode"}
@@ -347,6 +351,16 @@ _INVALID_CALLS = [
      "TensorLocationSettings.minElementsForOffChip must be an int >= 0"),
     (lambda o: TensorLocationSettings().useOnChipStorage("no"),
      "TensorLocationSettings.useOnChipStorage must be a bool"),
+    (lambda o: o._Popart.set(3, True), "_Popart.set key must be a str, got 3"),
+    (lambda o: o._Popart.set("outlineThreshold", None),
+     "_Popart.set value for 'outlineThreshold' must be a bool, int, float, "
+     "str, list or dict, got None"),
+    (lambda o: o._Popart.setEngineOptions(["debug.instrument"]),
+     "_Popart.setEngineOptions must be a dict with str keys"),
+    (lambda o: o._Popart.setPatterns({"PreUniRepl": 1}),
+     "_Popart.setPatterns must be a dict of str to bool, got {'PreUniRepl': 1}"),
+    (lambda o: o._Popart.setPatterns({}, -1),
+     "_Popart.setPatterns level must be an int >= 0, got -1"),
 ]
 
 
@@ -356,6 +370,16 @@ def test_invalid_values_raise_naming_option_value_and_allowed(call, message):
     with pytest.raises(Error) as raised:
         call(opts)
     assert message in str(raised.value)
+
+
+def test_popart_options_accumulate_by_key():
+    opts = Options()
+    opts._Popart.set("outlineThreshold", 10.0)
+    opts._Popart.set("autoRecomputation", 3)
+    opts._Popart.set("outlineThreshold", 5.0)
+    assert opts._Popart.options == {"outlineThreshold": 5.0,
+                                    "autoRecomputation": 3}
+    assert "outlineThreshold" in str(opts)
 
 
 def test_enum_setters_accept_members():
@@ -684,6 +708,7 @@ def test_effects_table_classifies_every_public_setter():
                "TensorLocations": type(Options().TensorLocations),
                "Jit": type(Options().Jit),
                "Distributed": type(Options().Distributed),
+               "_Popart": type(Options()._Popart),
                "TensorLocationSettings": TensorLocationSettings}
     public_setters = set()
     for prefix, cls in classes.items():

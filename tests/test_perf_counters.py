@@ -93,3 +93,4 @@ def test_progress_bar_shows_while_compiling(capsys, show):
     model(torch.randn(6, 4))
     stderr = capsys.readouterr().err
     assert ("Graph compilation" in stderr) is show
+    assert "0stage" not in stderr, "the bar appeared before its total"

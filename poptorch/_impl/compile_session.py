@@ -27,13 +27,15 @@ from .serialization.graph_format import serialize_graph
 #: Options left out of the executable key: those that do not change the
 #: compiled executable (they may differ between compilation and
 #: ``loadExecutable``; ``poptorch.load`` takes them from ``edit_opts_fn``),
-#: and ``backend``, whose resolved name the key holds instead.
+#: PopART's options (``_Popart``, without effect here) and ``backend``,
+#: whose resolved name the key holds instead.
 RUNTIME_OPTIONS = frozenset({
     "connection_type", "ipu_id", "use_ipu_model", "offline_ipu_version",
     "executable_cache_dir", "show_compilation_progress_bar", "log_dir",
     "max_repeat_logs", "profile_dir", "log_cycle_count", "model_name",
     "relax_optimizer_attributes_checks", "random_seed", "sync_pattern",
-    "source_location_excludes", "backend", "cuda_graphs", "Distributed"})
+    "source_location_excludes", "backend", "cuda_graphs", "Distributed",
+    "_Popart"})
 
 
 def compile_time_options(options) -> Dict[str, Any]:
@@ -53,17 +55,21 @@ class PrecompiledStep:
 
 
 class _Progress:
-    """The compilation progress bar (``showCompilationProgressBar``)."""
+    """The compilation progress bar (``showCompilationProgressBar``), shown
+    from the first time the number of stages to compile is known."""
 
     def __init__(self, show: bool) -> None:
+        self._show = show
         self._bar = None
-        if show:
-            from tqdm import tqdm
-            self._bar = tqdm(total=0, desc="Graph compilation", unit="stage",
-                             file=sys.stderr, leave=False)
 
     def expect(self, stages: int) -> None:
-        if self._bar is not None:
+        if not self._show:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+            self._bar = tqdm(total=stages, desc="Graph compilation",
+                             unit="stage", file=sys.stderr, leave=False)
+        else:
             self._bar.total += stages
             self._bar.refresh()
 
