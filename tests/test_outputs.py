@@ -91,6 +91,44 @@ def test_outputs_keep_the_model_structure():
     assert out["n"] == 3
 
 
+class _WithNone(torch.nn.Module):
+    """Returns None beside its tensors, as models with optional outputs
+    (attention weights, a loss without labels) do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 3)
+
+    def forward(self, x, y=None):
+        out = self.linear(x)
+        loss = None if y is None else torch.nn.functional.mse_loss(out, y)
+        return loss, out, None, [x.sum(1), None]
+
+
+def test_none_among_outputs_is_returned_in_place():
+    torch.manual_seed(0)
+    net = _WithNone()
+    x = torch.randn(4, 2)
+    loss, out, nothing, (total, also_nothing) = poptorch.inferenceModel(
+        net, options(2))(x)
+    assert loss is None and nothing is None and also_nothing is None
+    torch.testing.assert_close(out, net.linear(x).detach())
+    torch.testing.assert_close(total, x.sum(1))
+
+
+def test_none_among_training_outputs_is_returned_in_place():
+    torch.manual_seed(0)
+    net = _WithNone()
+    x, y = torch.randn(4, 2), torch.randn(4, 3)
+    expected = torch.nn.functional.mse_loss(net.linear(x), y).detach()
+    model = poptorch.trainingModel(net, options(1),
+                                   torch.optim.SGD(net.parameters(), lr=0.0))
+    loss, out, nothing, (total, also_nothing) = model(x, y)
+    assert nothing is None and also_nothing is None
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(total, x.sum(1))
+
+
 def test_every_n_needs_a_dividing_period(mlp):
     model = poptorch.inferenceModel(
         mlp, options(4, outputMode=(poptorch.OutputMode.EveryN, 3)))

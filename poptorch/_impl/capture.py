@@ -155,11 +155,22 @@ class ModelCall:
                                               tuple(args), dict(kwargs))
 
 
+class TensorLeaf:
+    """Stands for a tensor among the leaves of the model's output (other
+    leaves, ``None`` included, are constants returned as captured)."""
+
+    def __repr__(self) -> str:
+        return "TENSOR_LEAF"
+
+
+TENSOR_LEAF = TensorLeaf()
+
+
 @dataclasses.dataclass
 class ModelAnalysis:
     """What the analysis trace found out about the model."""
     output_spec: pytree.TreeSpec
-    output_constants: List[object]      # None where the leaf is a tensor
+    output_constants: List[object]      # TENSOR_LEAF where a leaf is a tensor
     written_buffers: List[int]
     written_inputs: List[int]
     final_loss: Optional[int]
@@ -293,8 +304,9 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         with losses.LossRecorder() as recorder:
             output = call(p, b, x)
         leaves, found["spec"] = pytree.tree_flatten(output)
-        found["constants"] = [None if isinstance(leaf, torch.Tensor) else leaf
-                              for leaf in leaves]
+        found["constants"] = [
+            TENSOR_LEAF if isinstance(leaf, torch.Tensor) else leaf
+            for leaf in leaves]
         found["num_losses"] = len(recorder.losses)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return tensors + recorder.losses

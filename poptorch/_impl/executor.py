@@ -23,7 +23,7 @@ from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
 from .perf_counters import CallTimer
 from .batching import BatchLayout
-from .capture import ModelCall
+from .capture import ModelCall, TensorLeaf
 from .device_state import DeviceState
 from .devices import select_device
 from .half_casting import target_dtype
@@ -475,7 +475,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             host = [t.clone() if _aliases_state(t, self._state) else t
                     for t in host]
         values = iter(host)
-        leaves = [next(values) if constant is None else constant
+        leaves = [next(values) if isinstance(constant, TensorLeaf)
+                  else constant
                   for constant in self._analysis.output_constants]
         return pytree.tree_unflatten(leaves, self._analysis.output_spec)
 
