@@ -18,7 +18,8 @@ from ._impl.logger import setLogLevel
 from ._impl.losses import identity_loss
 from ._impl.model_wrapping import inferenceModel, trainingModel
 from ._impl.serialization.loading import load
-from . import optim, profiling
+from . import autocasting, optim, profiling
+from .autocasting import autocast
 from ._impl.blocks import BeginBlock, Block, BlockFunction, NameScope, removeBlocks
 from ._impl.ops import (CPU, MultiConv, ctc_beam_search_decoder, custom_op,
                         dynamic_slice, for_loop, ipu_print_tensor, nop,

@@ -27,6 +27,7 @@ from .enums import (CommGroupType, ConnectionType, HalfFloatCastingBehavior,
                     SyncPattern)
 from .errors import Error
 from ._impl import config_file
+from ._impl.automatic_casting import DEFAULT_POLICY, Policy
 from ._impl.config_file import ConfigFileError
 from ._impl.logger import info_once
 
@@ -162,8 +163,11 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "Training.setConvolutionDithering": Effect(
         NO_EFFECT, "convolution tile placement is specific to the IPU"),
     "Precision.autocastEnabled": Effect(
-        STORED, "takes effect with automatic mixed-precision casting "
-        "(poptorch.autocast)"),
+        IMPLEMENTED, "with False, automatic mixed-precision casting "
+        "(model.autocast(), poptorch.autocast) casts nothing in this model"),
+    "Precision.autocastPolicy": Effect(
+        IMPLEMENTED, "the casting policy of automatic mixed-precision "
+        "casting (poptorch.autocasting.Policy)"),
     "Precision.enableFloatingPointExceptions": Effect(
         NO_EFFECT, "CPU/GPU arithmetic follows IEEE rules (inf and NaN "
         "results) and PyTorch has no floating-point trap mode"),
@@ -619,6 +623,7 @@ class _PrecisionOptions(_OptionsGroup):
         "stochastic_rounding": False,
         "floating_point_exceptions": False,
         "autocast_enabled": True,
+        "autocast_policy": DEFAULT_POLICY,
     }
 
     half_float_casting = _read_only(
@@ -636,8 +641,11 @@ class _PrecisionOptions(_OptionsGroup):
         "floating_point_exceptions", "Whether floating point exceptions are "
         "enabled (default False).")
     autocast_enabled = _read_only(
-        "autocast_enabled", "Whether poptorch.autocast is allowed to act "
+        "autocast_enabled", "Whether automatic casting is allowed to act "
         "(default True).")
+    autocast_policy = _read_only(
+        "autocast_policy", "The casting policy of automatic casting "
+        "(default poptorch.autocasting.default).")
 
     def halfFloatCasting(self, half_float_casting: HalfFloatCastingBehavior
                          ) -> "_PrecisionOptions":
@@ -682,6 +690,14 @@ class _PrecisionOptions(_OptionsGroup):
         option = "Precision.autocastEnabled"
         _check_bool(option, enabled)
         return self._store(option, autocast_enabled=enabled)
+
+    def autocastPolicy(self, policy: Policy) -> "_PrecisionOptions":
+        """The casting policy (a ``poptorch.autocasting.Policy``) that
+        automatic casting follows."""
+        option = "Precision.autocastPolicy"
+        if not isinstance(policy, Policy):
+            raise _invalid(option, "a poptorch.autocasting.Policy", policy)
+        return self._store(option, autocast_policy=policy)
 
 
 class _JitOptions(_OptionsGroup):

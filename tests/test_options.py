@@ -14,6 +14,7 @@ import torch
 from poptorch.enums import (CommGroupType, ConnectionType,
                             HalfFloatCastingBehavior, MeanReductionStrategy,
                             OutputMode, ReductionType, SyncPattern)
+from poptorch.autocasting import Policy
 from poptorch.errors import Error
 from poptorch.options import (IMPLEMENTED, NO_EFFECT, OPTION_EFFECTS, STORED,
                               ConfigFileError, Options, TensorLocationSettings)
@@ -80,6 +81,7 @@ EXAMPLE_CALLS = {
     "Training.setAutomaticLossScaling": (True,),
     "Training.setConvolutionDithering": (True,),
     "Precision.autocastEnabled": (False,),
+    "Precision.autocastPolicy": (Policy(fp16=[torch.relu]),),
     "Precision.enableFloatingPointExceptions": (True,),
     "Precision.enableStochasticRounding": (True,),
     "Precision.halfFloatCasting":

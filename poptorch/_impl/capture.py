@@ -33,6 +33,7 @@ from ..errors import Error
 from . import blocks, losses
 from .compile_errors import capture_error
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
+from .automatic_casting import AutomaticCasting, Policy
 from .half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .recurrent_layers import RecurrentLayersWithoutOneDnn
@@ -117,7 +118,9 @@ def _remove_detaches(graph: torch.fx.Graph) -> None:
 class ModelCall:
     """How flat tensors become a call of the user's module; operations
     mixing float16 and float32 tensors compute in ``mixed_dtype``
-    (``half_casting.py``)."""
+    (``half_casting.py``), and where automatic casting is enabled
+    operations are typed by ``autocast_policy`` (None when
+    ``Precision.autocastEnabled(False)``; ``automatic_casting.py``)."""
     module: torch.nn.Module
     param_names: List[str]
     buffer_names: List[str]
@@ -125,6 +128,7 @@ class ModelCall:
     input_leaves: List[object]
     tensor_positions: List[int]
     mixed_dtype: torch.dtype
+    autocast_policy: Optional[Policy]
 
     @contextlib.contextmanager
     def bound(self, params: Sequence[torch.Tensor],
@@ -149,8 +153,12 @@ class ModelCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.input_spec)
         state = (dict(zip(self.param_names, params)),
                  dict(zip(self.buffer_names, buffers)))
-        with MixedPrecisionCasting(self.mixed_dtype), CumulativeAverage(), \
-                RecurrentLayersWithoutOneDnn():
+        with contextlib.ExitStack() as modes:
+            modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
+            modes.enter_context(CumulativeAverage())
+            modes.enter_context(RecurrentLayersWithoutOneDnn())
+            if self.autocast_policy is not None:
+                modes.enter_context(AutomaticCasting(self.autocast_policy))
             return torch.func.functional_call(self.module, state,
                                               tuple(args), dict(kwargs))
 

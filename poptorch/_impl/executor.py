@@ -23,6 +23,7 @@ from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
 from .perf_counters import CallTimer
 from .batching import BatchLayout
+from .automatic_casting import Policy
 from .capture import ModelCall, TensorLeaf
 from .device_state import DeviceState
 from .devices import select_device
@@ -174,7 +175,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         model_call = ModelCall(
             self._module, state.param_names, state.buffer_names, call.spec,
             list(call.leaves), call.tensor_positions(),
-            target_dtype(self._options.Precision.half_float_casting))
+            target_dtype(self._options.Precision.half_float_casting),
+            _autocast_policy(self._options.Precision))
         inputs = [layout.split(t.to(device)) for t in _tensors(call)]
         micro = [(t if t.dim() == 0 else t[0, 0, 0]).clone() for t in inputs]
         analysis = capture.analyse(model_call, grouped.replica_params(
@@ -651,6 +653,14 @@ def _aliases_state(tensor: torch.Tensor, state: DeviceState) -> bool:
     pointer = tensor.untyped_storage().data_ptr()
     return any(pointer == t.untyped_storage().data_ptr()
                for t in state.params + state.buffers[0])
+
+
+def _autocast_policy(precision) -> Optional[Policy]:
+    """The casting policy of automatic casting, None when the options turn
+    it off for the whole model."""
+    if not precision.autocast_enabled:
+        return None
+    return precision.autocast_policy
 
 
 def _check_mode_options(options, training: bool) -> None:

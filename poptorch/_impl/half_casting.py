@@ -24,9 +24,9 @@ from torch.utils import _pytree as pytree
 
 from ..enums import HalfFloatCastingBehavior
 
-_MIXED = frozenset({torch.float16, torch.float32})
+MIXED = frozenset({torch.float16, torch.float32})
 
-_LEFT_AS_THEY_ARE = frozenset({
+LEFT_AS_THEY_ARE = frozenset({
     torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.type,
     torch.Tensor.__setitem__, torch.nn.functional.batch_norm,
     torch.nn.functional.instance_norm, torch.batch_norm,
@@ -41,16 +41,19 @@ def target_dtype(behavior: HalfFloatCastingBehavior) -> torch.dtype:
     return torch.float16
 
 
-def _writes(func, kwargs) -> bool:
+def writes(func, kwargs) -> bool:
+    """Whether a call writes to a tensor (in place, ``out=``)."""
     name = getattr(func, "__name__", "")
     in_place = name.endswith("_") and not name.endswith("__")
     return in_place or name.startswith("__i") or "out" in kwargs
 
 
-def _cast_dtypes(values) -> set:
+def mixed_dtypes(values) -> set:
+    """The float16/float32 dtypes among the tensors of more than 0
+    dimensions in ``values``."""
     return {leaf.dtype for leaf in pytree.tree_leaves(values)
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-            and leaf.dtype in _MIXED}
+            and leaf.dtype in MIXED}
 
 
 class MixedPrecisionCasting(TorchFunctionMode):
@@ -62,13 +65,13 @@ class MixedPrecisionCasting(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func not in _LEFT_AS_THEY_ARE and not _writes(func, kwargs)
-                and _cast_dtypes((args, kwargs)) == _MIXED):
+        if (func not in LEFT_AS_THEY_ARE and not writes(func, kwargs)
+                and mixed_dtypes((args, kwargs)) == MIXED):
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, self._cast, (args, kwargs))
         return func(*args, **kwargs)
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() > 0 and tensor.dtype in _MIXED:
+        if tensor.dim() > 0 and tensor.dtype in MIXED:
             return tensor.to(self.dtype)
         return tensor
