@@ -1,6 +1,7 @@
 """What the capture cannot turn into a static graph raises poptorch.Error
 naming the operation and the user's source line."""
 import importlib.util
+import logging
 import re
 
 import pytest
@@ -88,6 +89,22 @@ def test_error_names_the_operation_and_the_source_line(body, marker,
     assert f"marker: {marker}" in message
     assert operation in message
     assert problem in message
+
+
+def test_torch_does_not_log_the_failure_before_the_error():
+    """Fake tensors log a failing operation with torch's traceback; the
+    user gets the poptorch.Error alone."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_tensor_log.addHandler(handler)
+    try:
+        message = _capture_error(_shape_error)
+    finally:
+        fake_tensor_log.removeHandler(handler)
+    assert "must have same reduction dim" in message
+    assert [record.getMessage() for record in records] == []
 
 
 def test_training_capture_reports_the_same_location():
