@@ -1,5 +1,6 @@
 """What the capture cannot turn into a static graph raises poptorch.Error
 naming the operation and the user's source line."""
+import copy
 import importlib.util
 import logging
 import re
@@ -105,6 +106,56 @@ def test_torch_does_not_log_the_failure_before_the_error():
         fake_tensor_log.removeHandler(handler)
     assert "must have same reduction dim" in message
     assert [record.getMessage() for record in records] == []
+
+
+class GaussianHead(torch.nn.Module):
+    """A Gaussian likelihood from torch.distributions, which validates its
+    arguments by default with Python conditions on tensor values."""
+
+    def __init__(self, validate_args=None):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.validate_args = validate_args
+
+    def forward(self, x, target):
+        mu, log_sigma = self.fc(x).chunk(2, dim=1)
+        normal = torch.distributions.Normal(mu, log_sigma.exp(),
+                                            validate_args=self.validate_args)
+        return normal.rsample(), poptorch.identity_loss(
+            -normal.log_prob(target).mean(), "none")
+
+
+def test_distributions_validate_by_default_outside_capture_only():
+    """Training with a torch.distributions likelihood matches plain PyTorch
+    (whose default validation stays on)."""
+    torch.manual_seed(0)
+    net = GaussianHead()
+    reference = copy.deepcopy(net)
+    model = poptorch.trainingModel(net, poptorch.Options(),
+                                   torch.optim.SGD(net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, target = torch.randn(3, 4), torch.randn(3, 2)
+    for _ in range(2):
+        sample, loss = model(x, target)
+        optimizer.zero_grad()
+        expected = reference(x, target)[1]
+        expected.backward()
+        optimizer.step()
+        torch.testing.assert_close(loss, expected.detach())
+    assert sample.shape == (3, 2)
+    assert torch.distributions.Distribution._validate_args is True
+    with pytest.raises(ValueError, match="constraint"):
+        torch.distributions.Normal(torch.zeros(1), -torch.ones(1))
+
+
+def test_explicit_distribution_validation_fails_with_a_hint():
+    model = poptorch.inferenceModel(GaussianHead(validate_args=True))
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.randn(3, 4), torch.randn(3, 2))
+    message = str(info.value)
+    assert "reads the value of a tensor" in message
+    assert "create the distribution with validate_args=False" in message
+    assert "in forward" in message
 
 
 def test_training_capture_reports_the_same_location():

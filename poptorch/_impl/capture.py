@@ -20,7 +20,6 @@ in-place operations on those inputs, so they reach the caller. Nodes carry
 """
 import contextlib
 import dataclasses
-import logging
 import operator
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -31,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
-from . import blocks, losses
+from . import blocks, losses, tracing_context
 from .compile_errors import capture_error
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
 from .automatic_casting import AutomaticCasting, Policy
@@ -97,34 +96,13 @@ def trace(fn: Callable, example_inputs: Sequence[torch.Tensor],
                                allow_non_fake_inputs=True,
                                static_shapes=True)
     fake_inputs = [fake_mode.from_tensor(t) for t in example_inputs]
-    with _meta_failures_unlogged():
+    with tracing_context.fake_tracing():
         graph_module = make_fx(fn, tracing_mode="fake")(*fake_inputs)
     if not keep_detaches:
         _remove_detaches(graph_module.graph)
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
     return graph_module
-
-
-class _MetaFailureFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(
-            "failed while attempting to run meta")
-
-
-@contextlib.contextmanager
-def _meta_failures_unlogged() -> Iterator[None]:
-    """Fake tensors log an operation that fails on its inputs, with a
-    traceback, before raising; the error then reaches the user as a
-    ``poptorch.Error`` naming their source line (``compile_errors.py``), so
-    the log would only repeat it in torch's internal terms."""
-    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
-    meta_failures = _MetaFailureFilter()
-    fake_tensor_log.addFilter(meta_failures)
-    try:
-        yield
-    finally:
-        fake_tensor_log.removeFilter(meta_failures)
 
 
 def _remove_detaches(graph: torch.fx.Graph) -> None:

@@ -115,10 +115,25 @@ def _problem(error: Exception) -> str:
     return f"raised {name}: {error}"
 
 
+_DISTRIBUTION_CHECKS = (
+    " The failure is in torch.distributions, which checks its arguments "
+    "with Python conditions on tensor values when validate_args=True: "
+    "create the distribution with validate_args=False (the default while "
+    "a model is captured).")
+
+_DISTRIBUTIONS_DIR = os.path.join("torch", "distributions") + os.sep
+
+
+def _hint(frames: List[traceback.FrameSummary]) -> str:
+    if any(_DISTRIBUTIONS_DIR in frame.filename for frame in frames):
+        return _DISTRIBUTION_CHECKS
+    return ""
+
+
 def capture_error(error: Exception) -> Error:
     """``error``, raised while the model was traced, as a ``poptorch.Error``
     naming the operation and the user's source line."""
     frames = traceback.extract_tb(error.__traceback__)
     location = describe_frame(user_frame(frames))
     return Error(f"The model could not be captured into a static graph: at "
-                 f"{location}, the model {_problem(error)}.")
+                 f"{location}, the model {_problem(error)}.{_hint(frames)}")
