@@ -403,12 +403,6 @@ def test_custom_op_explains_popart_ops_cannot_load_here():
         ops.custom_op([x], "LeakyRelu", "custom.ops", 1, example_outputs=[x])
 
 
-def test_ctc_beam_search_decoder_is_not_available_yet():
-    with pytest.raises(Error, match="ctc_beam_search_decoder is not "
-                                    "available on this device yet"):
-        ops.ctc_beam_search_decoder(torch.randn(5, 1, 3), torch.tensor([5]))
-
-
 def profiled_event_names(function):
     with torch.profiler.profile(activities=[
             torch.profiler.ProfilerActivity.CPU]) as profile:

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from ..errors import Error
+from . import ctc_decoder
 from .logger import info_once
 
 
@@ -525,11 +526,36 @@ def custom_op(inputs, name, domain, domain_version, example_outputs,
         "register_autograd backward for training), and call it in the model")
 
 
-def ctc_beam_search_decoder(probs, lengths, blank=0, beam_width=100,
-                            top_paths=1):
-    """A CTC beam search decoder op: not available on this device yet."""
-    raise Error(
-        "poptorch.ctc_beam_search_decoder is not available on this device "
-        "yet: the IPU decoder is a PopLibs kernel and has no implementation "
-        "here. Return the log-probabilities from the model and decode them "
-        "on the host")
+def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor,
+                            blank: int = 0, beam_width: int = 100,
+                            top_paths: int = 1) -> List[torch.Tensor]:
+    """Decode ``probs`` (log probabilities, [input_length, batch_size,
+    num_classes]) of inputs of ``lengths`` ([batch_size]) with a CTC prefix
+    beam search of ``beam_width`` beams: the log probabilities
+    [batch_size, top_paths], lengths [batch_size, top_paths] and labels
+    [batch_size, top_paths, input_length] of the ``top_paths`` most likely
+    paths, most likely first, each padded with ``blank`` past its length
+    (``ctc_decoder.py``)."""
+    function = "ctc_beam_search_decoder"
+    _check_tensor(function, "probs", probs)
+    _check_tensor(function, "lengths", lengths)
+    if probs.dim() != 3 or not probs.is_floating_point():
+        raise Error(f"{function}: probs must be a floating-point tensor of "
+                    "shape [input_length, batch_size, num_classes], got "
+                    f"{probs.dtype} of shape {tuple(probs.shape)}")
+    if lengths.shape != probs.shape[1:2] or lengths.is_floating_point():
+        raise Error(f"{function}: lengths must be an integer tensor of shape "
+                    f"[batch_size] = [{probs.shape[1]}], got {lengths.dtype} "
+                    f"of shape {tuple(lengths.shape)}")
+    classes = probs.shape[2]
+    _check_count(function, "blank", blank, 0)
+    if blank >= classes:
+        raise Error(f"{function}: blank must be a class index below "
+                    f"num_classes ({classes}), not {blank}")
+    _check_count(function, "beam_width", beam_width, 1)
+    _check_count(function, "top_paths", top_paths, 1)
+    if top_paths > beam_width:
+        raise Error(f"{function}: top_paths ({top_paths}) must not exceed "
+                    f"beam_width ({beam_width})")
+    return list(ctc_decoder.ctc_beam_search_decoder(
+        probs, lengths, blank, beam_width, top_paths))
