@@ -1,9 +1,11 @@
 """PopTorch ops (API reference 11.3) and poptorch.profiling.Channel (11.2)."""
+import copy
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import poptorch
 from poptorch._impl import ops
 from poptorch.enums import (MatMulSerializationMode, MultiConvPlanType,
                             OverlapMode)
@@ -399,8 +401,69 @@ def test_cpu_op_checks_its_arguments():
 def test_custom_op_explains_popart_ops_cannot_load_here():
     x = torch.ones(2)
     with pytest.raises(Error, match="'LeakyRelu', domain 'custom.ops'.*cannot "
-                                    "be loaded on CPU or GPU.*torch.library"):
+                                    "be loaded on CPU or GPU.*Register the op "
+                                    "as torch.ops.custom_ops.LeakyRelu"):
         ops.custom_op([x], "LeakyRelu", "custom.ops", 1, example_outputs=[x])
+
+
+@torch.library.custom_op("com_acme::ScaledCube", mutates_args=())
+def _scaled_cube(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """A PopART custom op ported to PyTorch under its domain and name."""
+    return scale * x ** 3
+
+
+_scaled_cube.register_fake(lambda x, scale: torch.empty_like(x))
+_scaled_cube.register_autograd(
+    lambda ctx, grad: (grad * 3 * ctx.scale * ctx.x ** 2, None),
+    setup_context=lambda ctx, inputs, output: (
+        setattr(ctx, "x", inputs[0]), setattr(ctx, "scale", inputs[1])))
+
+
+class _WithCustomOp(torch.nn.Module):
+    def __init__(self, ported=True):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.ported = ported
+
+    def forward(self, x, y):
+        h = self.linear(x)
+        if self.ported:
+            h = ops.custom_op([h], "ScaledCube", "com.acme", 1,
+                              example_outputs=[h],
+                              attributes={"scale": 0.5})[0]
+        else:
+            h = 0.5 * h ** 3
+        return h, torch.nn.functional.mse_loss(h, y)
+
+
+def test_custom_op_calls_the_ported_torch_op_in_training():
+    torch.manual_seed(0)
+    net = _WithCustomOp()
+    reference = copy.deepcopy(net)
+    reference.ported = False
+    model = poptorch.trainingModel(net, poptorch.Options().deviceIterations(2),
+                                   torch.optim.SGD(net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    out, _ = model(x, y)
+    for step in range(2):
+        optimizer.zero_grad()
+        reference(x[2 * step:2 * step + 2], y[2 * step:2 * step + 2])[
+            1].backward()
+        optimizer.step()
+    model.copyWeightsToHost()
+    torch.testing.assert_close(net.linear.weight, reference.linear.weight)
+    assert out.shape == (2, 3)
+
+
+def test_custom_op_outputs_must_match_the_examples():
+    x = torch.ones(2)
+    with pytest.raises(Error, match=r"returned tensors of \(shape, dtype\) "
+                                    r"\[\(\(2,\), torch.float32\)\], but "
+                                    r"example_outputs give \[\(\(3,\)"):
+        ops.custom_op([x], "ScaledCube", "com.acme", 1,
+                      example_outputs=[torch.ones(3)],
+                      attributes={"scale": 1.0})
 
 
 def profiled_event_names(function):

@@ -515,15 +515,54 @@ class CPU:
         inline calls need no buffers."""
 
 
-def custom_op(inputs, name, domain, domain_version, example_outputs,
-              attributes=None):
-    """Apply a PopART C++ custom op: not possible on this device."""
-    raise Error(
-        f"poptorch.custom_op({name!r}, domain {domain!r}): PopART custom ops "
-        "are C++ libraries built against PopART and Poplar, which cannot be "
-        "loaded on CPU or GPU devices. Write the op with PyTorch operations, "
-        "or register it with torch.library.custom_op (with a "
-        "register_autograd backward for training), and call it in the model")
+def _torch_operation(name: str, domain: str):
+    """``torch.ops.<domain with dots as underscores>.<name>``, or None."""
+    namespace = domain.replace(".", "_")
+    try:
+        return getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def custom_op(inputs, name: str, domain: str, domain_version: int,
+              example_outputs, attributes=None) -> List[torch.Tensor]:
+    """Apply the custom operation ``name`` of ``domain`` to ``inputs``.
+
+    PopART's C++ custom ops cannot load on CPU or GPU devices, so the op
+    must exist as a PyTorch operation of the same name, in the namespace
+    named by the domain with its dots replaced by underscores (the op
+    ``LeakyRelu`` of domain ``custom.ops`` is
+    ``torch.ops.custom_ops.LeakyRelu``, registered for instance with
+    ``torch.library.custom_op("custom_ops::LeakyRelu", ...)``). It is
+    called with the inputs and the attributes as keyword arguments, and its
+    outputs must have the types and shapes of ``example_outputs``."""
+    function = f"poptorch.custom_op({name!r}, domain {domain!r})"
+    namespace = domain.replace(".", "_")
+    operation = _torch_operation(name, domain)
+    if operation is None:
+        raise Error(
+            f"{function}: PopART custom ops are C++ libraries built against "
+            "PopART and Poplar, which cannot be loaded on CPU or GPU devices. "
+            f"Register the op as torch.ops.{namespace}.{name}, for instance "
+            f"with torch.library.custom_op(\"{namespace}::{name}\", ...) "
+            "(and register_autograd for training): poptorch.custom_op then "
+            "calls it with the inputs and the attributes as keyword "
+            "arguments")
+    outputs = operation(*inputs, **dict(attributes or {}))
+    if isinstance(outputs, torch.Tensor):
+        outputs = [outputs]
+    outputs = list(outputs)
+    _check_like_examples(function, outputs, list(example_outputs))
+    return outputs
+
+
+def _check_like_examples(function: str, outputs: List[torch.Tensor],
+                         examples: List[torch.Tensor]) -> None:
+    described = [(tuple(t.shape), t.dtype) for t in outputs]
+    expected = [(tuple(t.shape), t.dtype) for t in examples]
+    if described != expected:
+        raise Error(f"{function}: the op returned tensors of (shape, dtype) "
+                    f"{described}, but example_outputs give {expected}")
 
 
 def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor,
