@@ -263,3 +263,45 @@ def test_reentrant_torch_checkpoint_is_an_error_naming_the_fix():
     model = poptorch.trainingModel(_Checkpointed(reentrant=True))
     with pytest.raises(poptorch.Error, match="use_reentrant"):
         model(*make_data(4))
+
+
+class _SparseEmbeddings(torch.nn.Module):
+    def __init__(self, sparse=True):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(20, 4, sparse=sparse)
+        self.bag = torch.nn.EmbeddingBag(20, 4, mode="mean", sparse=sparse)
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, ids, y):
+        features = torch.cat([self.embedding(ids).mean(1), self.bag(ids)], 1)
+        out = self.out(features)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sparse_embeddings_train_with_dense_gradients(optimizer):
+    """sparse=True layers train as with sparse=False (plain SGD: the same
+    update as PyTorch's sparse gradients) and keep their setting."""
+    torch.manual_seed(0)
+    net = _SparseEmbeddings()
+    reference = copy.deepcopy(net)
+    if optimizer == "adam":   # torch's Adam refuses sparse gradients
+        reference.embedding.sparse = reference.bag.sparse = False
+
+    def make(params):
+        return (torch.optim.SGD(params, lr=0.5) if optimizer == "sgd"
+                else torch.optim.Adam(params, lr=0.1))
+
+    model = poptorch.trainingModel(net, poptorch.Options().deviceIterations(2),
+                                   make(net.parameters()))
+    torch_optimizer = make(reference.parameters())
+    ids, y = torch.randint(0, 20, (8, 5)), torch.randint(0, 2, (8,))
+    model(ids, y)
+    for step in range(2):
+        torch_optimizer.zero_grad()
+        reference(ids[4 * step:4 * step + 4], y[4 * step:4 * step + 4])[
+            1].backward()
+        torch_optimizer.step()
+    model.copyWeightsToHost()
+    assert_same_weights(net, reference, atol=1e-6)
+    assert net.embedding.sparse and net.bag.sparse

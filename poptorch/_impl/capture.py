@@ -37,6 +37,7 @@ from .automatic_casting import AutomaticCasting, Policy
 from .half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .recurrent_layers import RecurrentLayersWithoutOneDnn
+from .sparse_gradients import use_dense_gradients
 from .weight_sync import host_reads_suspended
 
 _capturing = [0]
@@ -54,7 +55,8 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
     """Mark capture in progress and apply the train/eval flags the module had
     when it was wrapped (PopTorch wraps a shallow copy of the module); batch
     norm modules with ``momentum=None`` get a capturable momentum
-    (``cumulative_batch_norm.py``). Yields the list that receives the blocks
+    (``cumulative_batch_norm.py``), embedding layers with ``sparse=True``
+    dense gradients (``sparse_gradients.py``). Yields the list that receives the blocks
     met, when the scope ends.
 
     Attributes that ``forward`` assigns while it is traced (the spec's
@@ -73,6 +75,7 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
                 if name in modules:
                     modules[name].training = flag
             mark_cumulative_modules(modules.values())
+            use_dense_gradients(modules.values())
             yield records
     finally:
         records.extend(blocks.end_capture())
