@@ -186,8 +186,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._options, analysis.blocks, self._training, layout)
         self._replicas = replication.ReplicaExecution.choose(
             layout, analysis, self._training, grouped,
-            self._buffer_sets() == layout.replicas, model_call, state.params,
-            state.buffers, inputs, self._training_flags)
+            self._buffer_sets() == layout.replicas)
         self._staged = None
         if stage_plan is not None:
             self._build_stages(stage_plan, model_call, analysis, state, micro,
@@ -273,13 +272,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                                         len(state.params))
         host_params = _host_params(self._module)
         trainable = [state.params[i] for i in training.trainable]
-        settings = StepSettings(
-            gradients=GradientReduction.build(
-                self._options.Training, layout.gradient_accumulation,
-                (self._replicas.step_replicas if self._staged is None
-                 else layout.replicas), self._plan.accum_dtype),
-            attributes=GlobalAttributes.build(
-                self._plan, self._options.Training.auto_loss_scaling))
+        settings = self._step_settings(layout)
         self._optimizer_state = OptimizerDeviceState(
             training, [host_params[i] for i in training.trainable], state,
             settings.attributes)
@@ -304,12 +297,19 @@ class PoplarExecutor(CompiledExecutionMethods):
                  if stage_per_process else None),
                 processes.reduce_gradients(settings.reduction))
             return
+        try:
+            update = self._trace_update(model_call, training, settings,
+                                        example, state, inputs, processes)
+        except Error as error:
+            if self._replicas.path != replication.VECTORISED:
+                raise
+            self._replicas.fall_back(error)
+            settings = self._step_settings(layout)
+            update = self._trace_update(model_call, training, settings,
+                                        example, state, inputs, processes)
         accumulate = settings.gradients.accumulates
         summed = accumulate or self._session.backend.sums_gradients_in_buffer
-        graphs = {"update": self._replicas.trace_training(
-            model_call, training, settings, example, state.buffers, inputs,
-            self._training_flags, update=True, accumulated=summed,
-            reduce_gradients=processes.reduce_gradients(settings.reduction))}
+        graphs = {"update": update}
         if accumulate:
             graphs["accumulate"] = self._replicas.trace_training(
                 model_call, training, settings, example, state.buffers,
@@ -325,6 +325,29 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._steps = device_loop.TrainingSteps(
             update=compiled["update"], accumulate=compiled.get("accumulate"),
             written_buffers=analysis.written_buffers, running=zeros)
+
+    def _step_settings(self, layout: BatchLayout) -> StepSettings:
+        """The training step's reduction of micro-batches (by the replica
+        path: a vectorised step is one micro-batch of all replicas) and its
+        global optimizer attributes."""
+        return StepSettings(
+            gradients=GradientReduction.build(
+                self._options.Training, layout.gradient_accumulation,
+                (self._replicas.step_replicas if self._staged is None
+                 else layout.replicas), self._plan.accum_dtype),
+            attributes=GlobalAttributes.build(
+                self._plan, self._options.Training.auto_loss_scaling))
+
+    def _trace_update(self, model_call, training, settings, example, state,
+                      inputs, processes) -> torch.fx.GraphModule:
+        """The captured step of the last micro-batch of an optimizer step,
+        with the update."""
+        summed = (settings.gradients.accumulates or
+                  self._session.backend.sums_gradients_in_buffer)
+        return self._replicas.trace_training(
+            model_call, training, settings, example, state.buffers, inputs,
+            self._training_flags, update=True, accumulated=summed,
+            reduce_gradients=processes.reduce_gradients(settings.reduction))
 
     def _batch_layout(self) -> BatchLayout:
         options = self._options

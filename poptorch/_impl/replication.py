@@ -32,8 +32,10 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   writes its input tensors in place; inference replicas share buffers that
   ``forward`` writes, so each must see the previous one's writes) or when
   vmap cannot trace the model (for example an ``autograd.Function`` without
-  a vmap rule; found by tracing the vectorised forward pass once when the
-  model is compiled); the reason is logged at DEBUG.
+  a vmap rule, or ``torch.utils.checkpoint``, which recomputes part of the
+  forward pass in the backward pass, outside vmap): the first step is
+  traced vectorised and, if that fails, traced again on the sequential
+  path; the reason is logged at DEBUG.
 
 Outputs keep the [D, G, R] order: the vectorised step returns [R, ...]
 stacked outputs and hands each replica's slice to the output collector.
@@ -118,26 +120,16 @@ class ReplicaExecution:
 
     @staticmethod
     def choose(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
-               grouped: GroupedWeights, per_replica_buffers: bool,
-               call: ModelCall, params: List[torch.Tensor],
-               buffer_sets: List[List[torch.Tensor]],
-               split: List[torch.Tensor], flags: Dict[str, bool]
+               grouped: GroupedWeights, per_replica_buffers: bool
                ) -> "ReplicaExecution":
-        """Pick the path for this model. A training model's vectorised
-        forward pass is traced once here, so that the path (and with it the
-        step's reduction settings) is known before the steps are traced;
-        an inference model may still fall back when its step is traced."""
+        """Pick the path for this model. A vectorised model may still fall
+        back to the sequential path when its first step is traced
+        (``fall_back``): vmap cannot trace every model."""
         path, reason = _path_for(layout, analysis, training, grouped,
                                  per_replica_buffers)
         if path == SEQUENTIAL and grouped:
             raise Error(_grouped_needs_vectorised(reason))
-        execution = ReplicaExecution(layout, analysis, grouped, path, reason)
-        if training and path == VECTORISED:
-            try:
-                execution._probe(call, params, buffer_sets, split, flags)
-            except Error as error:
-                execution._fall_back(error)
-        return execution
+        return ReplicaExecution(layout, analysis, grouped, path, reason)
 
     @property
     def step_replicas(self) -> int:
@@ -213,33 +205,6 @@ class ReplicaExecution:
 
         return loss
 
-    def _probe(self, call: ModelCall, params: List[torch.Tensor],
-               buffer_sets: List[List[torch.Tensor]],
-               split: List[torch.Tensor], flags: Dict[str, bool]) -> None:
-        """Trace the vectorised forward and backward passes, as training
-        runs them; raises ``poptorch.Error`` if vmap cannot (the backward
-        pass too: ``torch.utils.checkpoint`` recomputes parts of
-        ``forward`` there, outside vmap)."""
-        forward = self._vectorised_forward(call, None)
-        sizes = [len(params), len(buffer_sets[0])]
-
-        def run(*flat):
-            params, buffers, inputs = split_flat(flat, sizes)
-            params = [p.detach().requires_grad_() if p.is_floating_point()
-                      else p for p in params]
-            trained = [p for p in params if p.requires_grad]
-            with torch.enable_grad(), call.bound(params, buffers):
-                values, outputs, written = forward(params, buffers, inputs)
-                grads = torch.autograd.grad(values.sum(), trained,
-                                            allow_unused=True)
-            return ([values] + outputs + written +
-                    [g for g in grads if g is not None])
-
-        example = (params + self._stacked_buffers(buffer_sets) +
-                   self._example_inputs(split))
-        with capture_scope(call.module, flags):
-            trace_user_code(run, example)
-
     # --- tracing ------------------------------------------------------------
     def trace_training(self, call: ModelCall, training, settings,
                        example: Dict[str, List[torch.Tensor]],
@@ -281,7 +246,7 @@ class ReplicaExecution:
                     call, len(params), len(buffer_sets[0]), example,
                     flags), example
             except Error as error:
-                self._fall_back(error)
+                self.fall_back(error)
         params = self.grouped.replica_params(params)
         micro = [(t if t.dim() == 0 else t[0, 0, 0]).clone() for t in split]
         graph = trace_inference_step(call, self.analysis, params,
@@ -313,7 +278,9 @@ class ReplicaExecution:
         with capture_scope(call.module, flags):
             return trace_user_code(step, example)
 
-    def _fall_back(self, error: Error) -> None:
+    def fall_back(self, error: Error) -> None:
+        """Run the replicas on the sequential path, because vmap could not
+        trace the vectorised step (``error``)."""
         reason = f"vmap could not trace the model: {error}"
         if self.grouped:
             raise Error(_grouped_needs_vectorised(reason)) from error
