@@ -66,21 +66,18 @@ def getNumIpusPerReplica() -> int:
 
 def init() -> None:
     """Make this instance's GPU (``LOCAL_RANK``) the current CUDA device and
-    join the run's torch.distributed process group now (training models
-    otherwise join when they are compiled). Does nothing outside
-    ``poprun``."""
+    join the run's torch.distributed process group now, for the CPU when
+    ``POPTORCH_IPU_MODEL=1`` (training models otherwise join when they are
+    compiled). Does nothing outside ``poprun``."""
     if not isPopdistEnvSet() or getNumInstances() == 1:
         return
-    import torch
-    if torch.cuda.is_available():
-        local = _integer("LOCAL_RANK", 0)
-        torch.cuda.set_device(local % torch.cuda.device_count())
     from poptorch._impl.devices import select_device
     from poptorch._impl.distributed import process_group
     from poptorch._impl.distributed.environment import ProcessEnvironment
     process_group.join(
         ProcessEnvironment.for_process(getInstanceIndex(), getNumInstances()),
-        select_device(use_ipu_model=False))
+        select_device(
+            use_ipu_model=os.environ.get("POPTORCH_IPU_MODEL") == "1"))
 
 
 def execute_on_instances(instances: Collection[int], fn: Callable[..., Any],

@@ -9,6 +9,11 @@ import torch
 import poptorch
 from poptorch._impl import logger as logger_module
 
+# On a GPU, float32 convolutions and matrix products default to TF32; the
+# tests compare with float32 references at float32 tolerances.
+torch.backends.cudnn.conv.fp32_precision = "ieee"
+torch.backends.cuda.matmul.fp32_precision = "ieee"
+
 
 class ClassifierMLP(torch.nn.Module):
     """A small MLP that computes its loss in forward when labels are given."""

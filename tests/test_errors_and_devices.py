@@ -63,6 +63,74 @@ def test_without_accelerator_no_hardware_is_reported():
     assert select_device(use_ipu_model=False) == torch.device("cpu")
 
 
+class _FakeGpus:
+    """``count`` CUDA devices as torch.cuda reports them, and the device
+    made current."""
+
+    def __init__(self, monkeypatch, count):
+        self.current = None
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "set_device",
+                            lambda index: setattr(self, "current", index))
+        for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                     "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("variable", ["LOCAL_RANK",
+                                      "OMPI_COMM_WORLD_LOCAL_RANK"])
+def test_each_process_of_a_host_takes_the_gpu_of_its_local_rank(
+        monkeypatch, variable):
+    gpus = _FakeGpus(monkeypatch, 2)
+    monkeypatch.setenv(variable, "3")
+    assert select_device(use_ipu_model=False) == torch.device("cuda", 1)
+    assert gpus.current == 1
+    assert select_device(use_ipu_model=True) == torch.device("cpu")
+
+
+def test_a_single_process_takes_the_current_gpu(monkeypatch):
+    gpus = _FakeGpus(monkeypatch, 2)
+    assert select_device(use_ipu_model=False) == torch.device("cuda", 0)
+    assert gpus.current is None
+
+
+def test_a_local_rank_that_is_not_an_integer_is_reported(monkeypatch):
+    _FakeGpus(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "first")
+    with pytest.raises(poptorch.Error, match="LOCAL_RANK must hold an "
+                                             "integer.*got 'first'"):
+        select_device(use_ipu_model=False)
+
+
+@pytest.mark.parametrize("local_processes, backend", [(2, "nccl"),
+                                                      (4, "gloo")])
+def test_processes_sharing_a_gpu_use_gloo(monkeypatch, local_processes,
+                                          backend):
+    from poptorch._impl.distributed.environment import ProcessEnvironment
+    _FakeGpus(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_processes))
+    assert ProcessEnvironment.backend(torch.device("cuda", 0)) == backend
+    assert ProcessEnvironment.backend(torch.device("cpu")) == "gloo"
+
+
+def test_cpu_models_refuse_an_existing_nccl_group(monkeypatch):
+    import torch.distributed as dist
+    from poptorch._impl.distributed import process_group
+    from poptorch._impl.distributed.environment import ProcessEnvironment
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    environment = ProcessEnvironment.for_process(0, 2)
+    with pytest.raises(poptorch.Error, match="initialised with the nccl "
+                                             "backend.*model on the CPU"):
+        process_group._check_existing_group(environment,
+                                            torch.device("cpu"))
+    process_group._check_existing_group(environment,
+                                        torch.device("cuda", 0))
+
+
 def test_cycle_count_explains_there_is_no_counter(mlp):
     model = poptorch.inferenceModel(mlp)
     model(make_data(2)[0])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl import replica_batch_norm
 from conftest import (BatchNormNet, ClassifierMLP, assert_same_weights,
                       make_data, make_images, options, reference_training)
 
@@ -187,6 +188,21 @@ def test_replica_batch_norm_equals_the_kernel_on_each_replica(shared):
     for value, reference in zip(got, torch.autograd.grad(
             expected, [x_ref, weight_ref], grad)):
         torch.testing.assert_close(value, reference, **close)
+
+
+@pytest.mark.parametrize("device, dtype, expected", [
+    ("cpu", torch.float16, torch.float16),
+    ("cpu", torch.float32, torch.float32),
+    ("meta", torch.float16, torch.float32),
+    ("meta", torch.bfloat16, torch.float32),
+])
+def test_replica_batch_norm_statistics_have_the_kernels_dtype(
+        device, dtype, expected):
+    """PyTorch's CPU kernel keeps a float16 model's saved statistics in
+    float16; its GPU kernel (any other device here) in float32."""
+    x = torch.empty(2, 4, 3, 5, 5, dtype=dtype, device=device)
+    weight = torch.empty(3, dtype=dtype, device=device)
+    assert replica_batch_norm._statistics(x, weight, None).dtype == expected
 
 
 class _Doubler(torch.autograd.Function):

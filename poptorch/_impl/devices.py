@@ -3,17 +3,59 @@
 An "IPU" is a CUDA GPU when one is present; otherwise the model runs on the
 CPU. ``Options.useIpuModel(True)`` (or ``POPTORCH_IPU_MODEL=1``) selects the
 CPU even when a GPU exists, as the IPU Model stood in for hardware.
+
+In a run of several processes per host, each process takes the GPU of its
+local rank (torchrun's ``LOCAL_RANK``, OpenMPI's
+``OMPI_COMM_WORLD_LOCAL_RANK``) modulo the GPUs present, and makes it the
+current CUDA device; a single process takes the current CUDA device.
 """
+import os
+from typing import Optional
+
 import torch
 
 from ..errors import Error
 
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+_LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
 
 def select_device(use_ipu_model: bool) -> torch.device:
-    """The device a model runs on: the first CUDA device, else the CPU."""
-    if not use_ipu_model and torch.cuda.is_available():
+    """The device a model runs on: this process's CUDA device, else the
+    CPU."""
+    if use_ipu_model or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = _local_variable(_LOCAL_RANK_VARIABLES)
+    if local_rank is None:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def processes_share_a_gpu() -> bool:
+    """Whether more processes run on this host (torchrun's
+    ``LOCAL_WORLD_SIZE``, OpenMPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``) than it
+    has GPUs, so that some of them use the same one."""
+    local_size = _local_variable(_LOCAL_SIZE_VARIABLES)
+    return (local_size is not None and torch.cuda.is_available()
+            and local_size > torch.cuda.device_count())
+
+
+def _local_variable(names) -> Optional[int]:
+    """The value of the first of the environment variables ``names`` that
+    is set."""
+    for name in names:
+        text = os.environ.get(name)
+        if text is None or text == "":
+            continue
+        try:
+            return int(text)
+        except ValueError:
+            raise Error(f"Environment variable {name} must hold an integer "
+                        f"(this process's place on its host), got "
+                        f"{text!r}") from None
+    return None
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:

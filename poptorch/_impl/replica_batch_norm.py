@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 _Stats = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+_REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @torch.library.custom_op("poptorch::replica_batch_norm", mutates_args=())
@@ -62,9 +63,12 @@ def _replica_batch_norm_fake(x, weight, bias, running_mean, running_var,
 def _statistics(x: Tensor, weight: Optional[Tensor],
                 running_mean: Optional[Tensor]) -> Tensor:
     """An [R, C] tensor for per-replica statistics, in the kernel's dtype
-    for them (the parameters' when the input has a lower precision)."""
+    for them: on the CPU the parameters' (the input's without any), on
+    other devices float32 for float16 and bfloat16 inputs."""
     like = weight if weight is not None else running_mean
     dtype = x.dtype if like is None else like.dtype
+    if x.device.type != "cpu" and x.dtype in _REDUCED_PRECISION:
+        dtype = torch.float32
     return x.new_empty((x.shape[0], x.shape[2]), dtype=dtype)
 
 

@@ -69,14 +69,15 @@ class CudaGraphCall:
         self._static_outputs: List[torch.Tensor] = []
 
     def __call__(self, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-        if self._graph is None:
-            self._record(inputs)
-        self._load_state()
-        for static, given in zip(self._static_inputs, inputs):
-            static.copy_(given, non_blocking=True)
-        self._graph.replay()
-        self._write_state(list(self._static_state))
-        return [t.clone() for t in self._static_outputs]
+        with torch.cuda.device(_device(self._read_state(), inputs)):
+            if self._graph is None:
+                self._record(inputs)
+            self._load_state()
+            for static, given in zip(self._static_inputs, inputs):
+                static.copy_(given, non_blocking=True)
+            self._graph.replay()
+            self._write_state(list(self._static_state))
+            return [t.clone() for t in self._static_outputs]
 
     def _load_state(self) -> None:
         current = self._read_state()
@@ -92,7 +93,9 @@ class CudaGraphCall:
         graph = torch.cuda.CUDAGraph()
         self._write_state(list(self._static_state))
         rng = torch.cuda.get_rng_state()
-        with torch.cuda.graph(graph):
+        # Thread-local: another thread's CUDA calls during the capture (a
+        # DataLoader's pinning thread) must not invalidate it.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outputs = self._body(self._static_inputs)
             new_state = self._read_state()
             for static, value in zip(self._static_state, new_state):
@@ -115,3 +118,10 @@ class CudaGraphCall:
             self._body([t.clone() for t in inputs])
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.set_rng_state(rng)
+
+
+def _device(state: List[torch.Tensor],
+            inputs: List[torch.Tensor]) -> torch.device:
+    """The CUDA device of the model: recording, the random generator state
+    and replay all act on it, whatever the current device is."""
+    return next(t.device for t in state + inputs if t.is_cuda)

@@ -65,7 +65,7 @@ class TrainingProcesses:
         if self.group is None:
             return None
         return PipelineProcesses(self.group.rank, self.group.size, stages,
-                                 self.group.monitor)
+                                 self.group.monitor, self.group.device)
 
 
 def stage_processes(options) -> int:

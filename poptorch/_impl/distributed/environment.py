@@ -19,6 +19,8 @@ import os
 import torch
 
 from ...errors import Error
+from ..devices import processes_share_a_gpu
+from ..logger import info_once
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -57,8 +59,17 @@ class ProcessEnvironment:
 
     @staticmethod
     def backend(device: torch.device) -> str:
-        """NCCL for CUDA devices, gloo for the CPU."""
-        return "nccl" if device.type == "cuda" else "gloo"
+        """NCCL for CUDA devices, gloo for the CPU, and gloo (which also
+        reduces CUDA tensors) when processes of this host share a GPU,
+        which NCCL refuses."""
+        if device.type != "cuda":
+            return "gloo"
+        if processes_share_a_gpu():
+            info_once("Distributed run: more processes than GPUs on this "
+                      "host, so some share a GPU; NCCL needs one GPU per "
+                      "process, gradients are all-reduced with gloo")
+            return "gloo"
+        return "nccl"
 
     def export_rendezvous(self) -> None:
         """Set ``MASTER_ADDR`` / ``MASTER_PORT`` for ``env://`` when the

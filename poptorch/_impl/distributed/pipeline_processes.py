@@ -58,8 +58,9 @@ class PipelineProcesses:
     """This process's place in the pipelines and their process groups."""
 
     def __init__(self, rank: int, size: int, stages: int,
-                 monitor: FaultMonitor) -> None:
+                 monitor: FaultMonitor, device: torch.device) -> None:
         self.stages = stages
+        self.device = device
         self.monitor = monitor
         self.stage = rank % stages
         self.pipelines = size // stages
@@ -89,8 +90,9 @@ class PipelineProcesses:
         they all received the same call inputs (compared by sums)."""
         if not inputs:
             return
-        fingerprint = torch.stack([value for tensor in inputs
-                                   for value in _fingerprint(tensor)]).cpu()
+        # On the model's device, which the run's collectives serve.
+        fingerprint = torch.stack([value.to(self.device) for tensor in inputs
+                                   for value in _fingerprint(tensor)])
         lowest, highest = fingerprint.clone(), fingerprint.clone()
         dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self.group)
         dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.group)

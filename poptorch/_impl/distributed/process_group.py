@@ -90,7 +90,7 @@ def join(environment: ProcessEnvironment,
                 "options.Distributed settings for every model of a process.")
         return group
     if dist.is_initialized():
-        _check_existing_group(environment)
+        _check_existing_group(environment, device)
     else:
         _initialise(environment, device)
     group = ProcessGroup(environment, device)
@@ -113,13 +113,21 @@ def _hosts_store(rank: int) -> bool:
     return rank == 0 and agent not in ("1", "true")
 
 
-def _check_existing_group(environment: ProcessEnvironment) -> None:
+def _check_existing_group(environment: ProcessEnvironment,
+                          device: torch.device) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     if (rank, size) != (environment.process_id, environment.num_processes):
         raise Error(
             f"torch.distributed is already initialised as rank {rank} of "
             f"{size}, but options.Distributed says process "
             f"{environment.process_id} of {environment.num_processes}")
+    backend = str(dist.get_backend())
+    if device.type == "cpu" and "gloo" not in backend:
+        raise Error(
+            f"torch.distributed is already initialised with the {backend} "
+            "backend, which cannot reduce the tensors of a model on the CPU "
+            "(useIpuModel(True) or POPTORCH_IPU_MODEL=1 on a machine with "
+            "GPUs); initialise it with gloo, or run the model on the GPU")
 
 
 def _initialise(environment: ProcessEnvironment,

@@ -42,12 +42,16 @@ class OptimizerStateLocation:
         return [t.to(device, non_blocking=True) for t in tensors]
 
     def to_host(self, tensors: List[Tensor]) -> List[Tensor]:
-        """The state after a call: in pinned host memory when off chip."""
-        return [_pinned_copy(t) if self.off_chip and t.is_cuda
-                and self._moves(t) else t for t in tensors]
+        """The state after a call: in pinned host memory when off chip
+        (asynchronous copies, waited for once)."""
+        moved = [_pinned_copy(t) if self.off_chip and t.is_cuda
+                 and self._moves(t) else t for t in tensors]
+        if any(t is not m for t, m in zip(tensors, moved)):
+            torch.cuda.current_stream().synchronize()
+        return moved
 
 
 def _pinned_copy(tensor: Tensor) -> Tensor:
     host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-    host.copy_(tensor)
+    host.copy_(tensor, non_blocking=True)
     return host
