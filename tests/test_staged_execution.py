@@ -894,6 +894,65 @@ def test_a_float16_accum_type_matches_the_single_graph(strategy):
                             for buffers in combined.values())
 
 
+class NormInSecondStage(torch.nn.Module):
+    """Layers before the first block (stage 0, by the guide's rule for
+    ``BeginBlock(layer, ipu_id=1)``), then a block that starts with a
+    BatchNorm: stage 1 writes buffers that stage 0 never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.bn = poptorch.BeginBlock(torch.nn.BatchNorm1d(8), ipu_id=1)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        out = self.fc2(self.bn(torch.relu(self.fc1(x))))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("strategy", sorted(ANY_BLOCKS))
+def test_buffers_of_a_later_stage_are_not_passed_as_activations(strategy):
+    torch.manual_seed(0)
+    net = NormInSecondStage()
+    twin = copy.deepcopy(net)
+    opts = options(ITERATIONS, ACCUMULATION)
+    opts.setExecutionStrategy(ANY_BLOCKS[strategy]())
+    model = poptorch.trainingModel(net, opts, _sgd(net))
+    x, y = make_data(ROWS)
+    out, _ = model(x, y)
+    outputs, _ = plain_training(twin, _sgd(twin), x, y)
+    assert model._staged.stage_count == 2
+    close(out, outputs[-BATCH:])
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad])
+@pytest.mark.parametrize("annotate", [True, False],
+                         ids=["two-stages", "one-graph"])
+def test_training_calls_under_inference_mode_or_no_grad_still_train(
+        context, annotate):
+    """Validation loops often wrap everything in torch.inference_mode()
+    or torch.no_grad(); a training model called there (even its first,
+    compiling call) trains as usual."""
+    torch.manual_seed(0)
+    net = MaybeBlocks(annotate)
+    twin = copy.deepcopy(net)
+    twin.annotate = False
+    opts = options(ITERATIONS, 3)
+    if annotate:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    model = poptorch.trainingModel(net, opts, _sgd(net))
+    optimizer = _sgd(twin)
+    for call in range(2):
+        x, y = make_data(ITERATIONS * 3 * BATCH, seed=call)
+        with context():
+            model(x, y)
+        plain_training(twin, optimizer, x, y, accumulation=3)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
 # --- in-place writes to inputs ----------------------------------------------
 
 class WritesItsInput(torch.nn.Module):

@@ -147,7 +147,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         """Capture and compile for ``call``; ``precompiled`` steps (read
         from an exported file) replace compilation when they match."""
         with compile_session(self._options, self._training, precompiled,
-                             precompiled_source) as self._session:
+                             precompiled_source) as self._session, \
+                torch.inference_mode(False):
             self._capture_and_compile(call)
 
     def _capture_and_compile(self, call: CallArguments) -> None:
@@ -367,7 +368,12 @@ class PoplarExecutor(CompiledExecutionMethods):
     # --- running ------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """Run the model on one call's worth of data (D x G x R
-        micro-batches); the first call captures and compiles it."""
+        micro-batches); the first call captures and compiles it. A training
+        model trains also when called under ``torch.inference_mode()`` or
+        ``torch.no_grad()``."""
+        if self._training and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return self(*args, **kwargs)
         call = CallArguments(self._module.forward, args, kwargs)
         if not self._compiled:
             self._compile(call)

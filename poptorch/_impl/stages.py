@@ -103,9 +103,11 @@ def cut_into_stages(graph: fx.GraphModule,
                       for block, p in placements.items()}
 
     def given(node: fx.Node) -> Optional[int]:
-        block = (node.meta.get("custom") or {}).get(
-            blocks.BLOCK_KEY, blocks.BEFORE_FIRST_BLOCK)
-        return stage_of_block.get(block)
+        block = (node.meta.get("custom") or {}).get(blocks.BLOCK_KEY)
+        if block is None and _reads_sources_only(node):
+            return None
+        return stage_of_block.get(block if block is not None
+                                  else blocks.BEFORE_FIRST_BLOCK)
 
     def describe(index: int) -> str:
         names = sorted(b for b, s in stage_of_block.items() if s == index)
@@ -375,6 +377,20 @@ class StageModule(torch.nn.Module):
             else:
                 carried = segment.module(*values)
         return carried
+
+
+def _reads_sources_only(node: fx.Node) -> bool:
+    """Whether ``node`` is a deterministic operation on placeholders and
+    constants alone (the copies of written buffers made before the model
+    runs, a transposed weight): outside any block, it joins the first
+    stage that uses it rather than the layers before the first block, so
+    that no stage receives a buffer as an activation."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and \
+            torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return all(source.op in ("placeholder", "get_attr")
+               for source in node.all_input_nodes)
 
 
 def input_name(index: int) -> str:
