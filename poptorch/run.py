@@ -26,19 +26,33 @@ replica.
 If an instance fails, the agent stops the others and ``poprun`` exits
 with a non-zero status naming the failed instance(s).
 
+PopRun's other options: ``--only-output-from-instance N`` sends the other
+instances' output to log files (their directory is printed);
+``--executable-cache-path PATH`` sets ``POPTORCH_CACHE_DIR`` for the
+instances; ``--print-topology`` prints which instance runs which replicas;
+``-v`` / ``--verbose`` prints the launch plan; ``--host`` may only name one
+host (see below). Options about IPU-POD partitions (``--vipu-*``,
+``--reset-partition``...), MPI (``--mpi-global-args``...) and NUMA placement
+are accepted and reported as having no effect
+(``_impl/distributed/poprun_options.py``).
+
 Several hosts: run ``poprun`` on every host with the same
 ``--num-instances``/``--num-replicas``, ``--num-hosts H``, this host's
 ``--host-rank`` (0 to H-1) and ``--master-addr``/``--master-port`` of host
-0; each host starts ``num-instances / H`` instances.
+0; each host starts ``num-instances / H`` instances. Unlike PopRun,
+``poprun`` cannot start instances on other hosts itself (it has no MPI), so
+``--host`` with several hosts is an error saying so.
 """
 import argparse
 import os
 import signal
 import sys
+import tempfile
 import uuid
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from .errors import Error
+from ._impl.distributed import poprun_options
 
 _PROGRAM_HELP = ("the program and its arguments; a path ending in .py runs "
                  "with this Python")
@@ -90,15 +104,67 @@ def parser() -> argparse.ArgumentParser:
                         help="seconds an instance waits for the others "
                         "before failing (POPTORCH_DISTRIBUTED_TIMEOUT, "
                         "default 60)")
+    result.add_argument("--only-output-from-instance", type=int,
+                        default=None, metavar="N",
+                        help="show only instance N's output; the others' "
+                        "goes to log files")
+    result.add_argument("--executable-cache-path", default=None,
+                        help="executable cache directory of the instances "
+                        "(POPTORCH_CACHE_DIR)")
+    result.add_argument("--print-topology", type=_yes_no, default=False,
+                        help="print which instance runs which replicas")
+    result.add_argument("--host", "-H", default=None,
+                        help="the host to run on (one only: poprun starts "
+                        "the instances of its own host)")
+    result.add_argument("-v", "--verbose", action="count", default=0,
+                        help="print the launch plan")
     result.add_argument("program", nargs=argparse.REMAINDER,
                         help=_PROGRAM_HELP)
     return result
+
+
+def _yes_no(text: str) -> bool:
+    value = text.lower()
+    if value in ("yes", "true", "1", "on"):
+        return True
+    if value in ("no", "false", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be yes or no, got {text!r}")
+
+
+#: poprun's yes/no options, which may be given without a value.
+_SWITCHES = ("--print-topology",)
+
+
+def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
+    """The parsed command line, and the PopRun options it gave that have
+    no effect here."""
+    command = parser()
+    takes_value = [option for action in command._actions
+                   if action.nargs is None and action.option_strings
+                   for option in action.option_strings
+                   if option not in _SWITCHES]
+    options, program, ignored = poprun_options.split_ignored(argv,
+                                                             takes_value)
+    options = [f"{word}=yes" if word in _SWITCHES else word
+               for word in options]
+    return command.parse_args(options + program), ignored
 
 
 def check_arguments(arguments: argparse.Namespace) -> None:
     """Raise ``poptorch.Error`` for an inconsistent command line."""
     if not arguments.program:
         raise Error(f"poprun: no program given ({_PROGRAM_HELP})")
+    hosts = sorted(set(filter(None, (arguments.host or "").split(","))))
+    if len(hosts) > 1:
+        raise Error(f"poprun: --host names {len(hosts)} hosts "
+                    f"({', '.join(hosts)}), but poprun only starts the "
+                    "instances of the host it runs on: run it on each host "
+                    "with --num-hosts, --host-rank and --master-addr")
+    chosen = arguments.only_output_from_instance
+    if chosen is not None and not 0 <= chosen < arguments.num_instances:
+        raise Error(f"poprun: --only-output-from-instance must be between 0 "
+                    f"and {arguments.num_instances - 1}, got {chosen}")
     if arguments.num_replicas % arguments.num_instances and \
             not _replicas_span_instances(arguments):
         raise Error(f"poprun: --num-replicas ({arguments.num_replicas}) must "
@@ -137,6 +203,8 @@ def _instance_environment(arguments: argparse.Namespace,
         arguments.ipus_per_replica)
     if arguments.timeout is not None:
         os.environ["POPTORCH_DISTRIBUTED_TIMEOUT"] = str(arguments.timeout)
+    if arguments.executable_cache_path is not None:
+        os.environ["POPTORCH_CACHE_DIR"] = arguments.executable_cache_path
     if per_host > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -153,7 +221,47 @@ def _launch_config(arguments: argparse.Namespace, per_host: int):
         min_nodes=arguments.num_hosts, max_nodes=arguments.num_hosts,
         nproc_per_node=per_host, run_id=f"poprun-{uuid.uuid4().hex[:12]}",
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
-        max_restarts=0, monitor_interval=0.1)
+        max_restarts=0, monitor_interval=0.1,
+        logs_specs=_logs_specs(arguments, per_host))
+
+
+def _logs_specs(arguments: argparse.Namespace, per_host: int):
+    """With ``--only-output-from-instance``, the other local instances'
+    output goes to log files."""
+    from torch.distributed.elastic.multiprocessing import (DefaultLogsSpecs,
+                                                           Std)
+    chosen = arguments.only_output_from_instance
+    if chosen is None:
+        return None
+    first = arguments.host_rank * per_host
+    quiet = {local: Std.ALL for local in range(per_host)
+             if first + local != chosen}
+    log_dir = tempfile.mkdtemp(prefix="poprun-logs-")
+    print(f"poprun: output of instances other than {chosen} goes to "
+          f"{log_dir}", file=sys.stderr)
+    return DefaultLogsSpecs(log_dir=log_dir, redirects=quiet)
+
+
+def topology(arguments: argparse.Namespace) -> List[str]:
+    """Which instance runs which replicas (or pipeline stages), a line
+    each."""
+    instances, replicas = arguments.num_instances, arguments.num_replicas
+    per_host = instances // arguments.num_hosts
+    lines = []
+    for instance in range(instances):
+        host = instance // per_host
+        if replicas >= instances:
+            local = replicas // instances
+            first = instance * local
+            work = (f"replicas {first}-{first + local - 1}" if local > 1
+                    else f"replica {first}")
+        else:
+            span = instances // replicas
+            work = (f"replica {instance // span}, IPUs "
+                    f"{instance % span * arguments.ipus_per_replica // span}"
+                    f"-{(instance % span + 1) * arguments.ipus_per_replica // span - 1}")
+        lines.append(f"instance {instance}: host {host}, {work}")
+    return lines
 
 
 def _command(program: List[str]) -> List[str]:
@@ -167,15 +275,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import \
         ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-    arguments = parser().parse_args(argv)
+    arguments, ignored = parse(sys.argv[1:] if argv is None else argv)
     try:
         check_arguments(arguments)
     except Error as error:
         print(error, file=sys.stderr)
         return 2
+    if ignored:
+        print(f"poprun: {', '.join(ignored)} ha{'s' if len(ignored) == 1 else 've'} "
+              "no effect here: there are no IPU-POD partitions, MPI or "
+              "NUMA placement to configure", file=sys.stderr)
     per_host = arguments.num_instances // arguments.num_hosts
+    if arguments.print_topology:
+        print("\n".join(topology(arguments)))
     _instance_environment(arguments, per_host)
     command = _command(arguments.program)
+    if arguments.verbose:
+        print(f"poprun: starting {per_host} of {arguments.num_instances} "
+              f"instance(s) on host {arguments.host_rank} of "
+              f"{arguments.num_hosts}: {' '.join(command)}", file=sys.stderr)
     try:
         elastic_launch(_launch_config(arguments, per_host),
                        command[0])(*command[1:])

@@ -14,6 +14,7 @@ import poptorch
 from poptorch._impl.distributed import consistency
 from poptorch._impl.distributed.environment import ProcessEnvironment
 from poptorch.run import main as poprun
+from poptorch.run import parse as parse_poprun, topology
 from conftest import free_port
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "distributed_program.py")
@@ -119,6 +120,75 @@ def test_grouped_weights_are_refused_in_a_distributed_run():
 def test_inconsistent_launcher_arguments(capsys, arguments, message):
     assert poprun(arguments) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_popruns_command_lines_parse_with_options_without_effect():
+    """A PopRun command line as IPU-POD scripts write it: partition and MPI
+    options are taken off (reported), the program keeps its arguments."""
+    arguments, ignored = parse_poprun([
+        "-vv", "--vipu-partition=p1", "--vipu-server-host", "10.1.2.3",
+        "--mpi-global-args=--tag-output --allow-run-as-root",
+        "--mpi-local-args", "-x OPAL_PREFIX", "--numa-aware",
+        "--num-instances", "2", "--num-replicas", "4",
+        "--only-output-from-instance", "0", "--executable-cache-path",
+        "/tmp/cache", "--print-topology", "--reset-partition=no",
+        "python", "train.py", "--numa-aware", "--lr", "0.1"])
+    assert ignored == ["--vipu-partition", "--vipu-server-host",
+                       "--mpi-global-args", "--mpi-local-args",
+                       "--numa-aware", "--reset-partition"]
+    assert arguments.program == ["python", "train.py", "--numa-aware",
+                                 "--lr", "0.1"]
+    assert (arguments.num_instances, arguments.num_replicas) == (2, 4)
+    assert arguments.verbose == 2 and arguments.print_topology is True
+    assert arguments.only_output_from_instance == 0
+    assert arguments.executable_cache_path == "/tmp/cache"
+
+
+def test_topology_lists_each_instances_replicas_or_stages():
+    arguments, _ = parse_poprun(["--num-instances", "4", "--num-replicas",
+                                 "8", "--num-hosts", "2", "x.py"])
+    assert topology(arguments) == [
+        "instance 0: host 0, replicas 0-1", "instance 1: host 0, replicas 2-3",
+        "instance 2: host 1, replicas 4-5", "instance 3: host 1, replicas 6-7"]
+    arguments, _ = parse_poprun(["--num-instances", "4", "--num-replicas",
+                                 "2", "--ipus-per-replica", "4", "x.py"])
+    assert topology(arguments) == [
+        "instance 0: host 0, replica 0, IPUs 0-1",
+        "instance 1: host 0, replica 0, IPUs 2-3",
+        "instance 2: host 0, replica 1, IPUs 0-1",
+        "instance 3: host 0, replica 1, IPUs 2-3"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--host", "pod1,pod2"], "--host names 2 hosts .pod1, pod2., but "
+                              "poprun only starts the instances of the host "
+                              "it runs on"),
+    (["--only-output-from-instance", "2"],
+     "--only-output-from-instance must be between 0 and 1, got 2"),
+])
+def test_popruns_options_with_an_effect_are_checked(capsys, arguments,
+                                                    message):
+    assert poprun(["--num-instances", "2", "--num-replicas", "2",
+                   *arguments, "x.py"]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_launcher_shows_one_instances_output_and_sets_the_cache(tmp_path):
+    program = tmp_path / "report.py"
+    program.write_text("import os\nprint('instance', os.environ['RANK'], "
+                       "os.environ['POPTORCH_CACHE_DIR'])\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "poptorch.run", "--num-instances", "2",
+         "--num-replicas", "2", "--vipu-partition=pod16",
+         "--only-output-from-instance", "1", "--executable-cache-path",
+         str(tmp_path / "cache"), "--print-topology", str(program)],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"instance 1 {tmp_path / 'cache'}" in result.stdout
+    assert "instance 0 " not in result.stdout
+    assert "instance 0: host 0, replica 0" in result.stdout
+    assert "--vipu-partition has no effect here" in result.stderr
 
 
 def test_launcher_rejects_non_positive_counts(capsys):
