@@ -7,6 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import poptorch
 from poptorch._impl import ops
+from conftest import reference_training
 from poptorch.enums import (MatMulSerializationMode, MultiConvPlanType,
                             OverlapMode)
 from poptorch.errors import Error
@@ -446,11 +447,7 @@ def test_custom_op_calls_the_ported_torch_op_in_training():
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     x, y = torch.randn(4, 3), torch.randn(4, 3)
     out, _ = model(x, y)
-    for step in range(2):
-        optimizer.zero_grad()
-        reference(x[2 * step:2 * step + 2], y[2 * step:2 * step + 2])[
-            1].backward()
-        optimizer.step()
+    reference_training(reference, optimizer, (x, y), device_iterations=2)
     model.copyWeightsToHost()
     torch.testing.assert_close(net.linear.weight, reference.linear.weight)
     assert out.shape == (2, 3)

@@ -297,11 +297,8 @@ def test_sparse_embeddings_train_with_dense_gradients(optimizer):
     torch_optimizer = make(reference.parameters())
     ids, y = torch.randint(0, 20, (8, 5)), torch.randint(0, 2, (8,))
     model(ids, y)
-    for step in range(2):
-        torch_optimizer.zero_grad()
-        reference(ids[4 * step:4 * step + 4], y[4 * step:4 * step + 4])[
-            1].backward()
-        torch_optimizer.step()
+    reference_training(reference, torch_optimizer, (ids, y),
+                       device_iterations=2)
     model.copyWeightsToHost()
     assert_same_weights(net, reference, atol=1e-6)
     assert net.embedding.sparse and net.bag.sparse
