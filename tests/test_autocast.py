@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 import poptorch
@@ -19,17 +20,25 @@ HALF, FLOAT = torch.float16, torch.float32
 
 
 class Net(torch.nn.Module):
-    """Linear (fp16 by default) -> ReLU -> LayerNorm (fp32) -> Linear."""
+    """Linear (fp16 by default) -> ReLU -> LayerNorm (fp32) -> Linear; with
+    ``checkpointed``, the first three run under torch.utils.checkpoint."""
 
-    def __init__(self):
+    def __init__(self, checkpointed=False):
         super().__init__()
         self.first = torch.nn.Linear(4, 8)
         self.act = torch.nn.ReLU()
         self.norm = torch.nn.LayerNorm(8)
         self.last = torch.nn.Linear(8, 3)
+        self.checkpointed = checkpointed
+
+    def _features(self, x):
+        return self.norm(self.act(self.first(x)))
 
     def forward(self, x, y=None):
-        out = self.last(self.norm(self.act(self.first(x))))
+        features = (torch.utils.checkpoint.checkpoint(
+            self._features, x, use_reentrant=False) if self.checkpointed
+            else self._features(x))
+        out = self.last(features)
         if y is None:
             return out
         return out, F.mse_loss(out, y)
@@ -48,9 +57,9 @@ def _by_hand(net, x, last_dtype=HALF):
     return _linear(net.last, h, last_dtype)
 
 
-def _net():
+def _net(checkpointed=False):
     torch.manual_seed(0)
-    return Net()
+    return Net(checkpointed)
 
 
 def _exact(actual, expected):
@@ -130,12 +139,15 @@ def test_decorator_and_block_enable_and_disable_casting():
     _exact(out, _linear(net.last, h, FLOAT))
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_training_keeps_float32_weights_and_matches_pytorch(stages):
+@pytest.mark.parametrize("stages, checkpointed", [(1, False), (2, False),
+                                                  (1, True)])
+def test_training_keeps_float32_weights_and_matches_pytorch(stages,
+                                                            checkpointed):
     """Two calls of D = 2 SGD steps of 3 accumulated micro-batches, in one
-    graph or a 2-stage pipeline: the casts are part of the step, their
-    gradients reach the float32 weights."""
-    net = _net()
+    graph, a 2-stage pipeline or with torch.utils.checkpoint (whose
+    recomputation casts as the forward pass did): the casts are part of the
+    step, their gradients reach the float32 weights."""
+    net = _net(checkpointed)
     reference = copy.deepcopy(net)
     net.autocast()
     opts = options(2, 3)

@@ -7,19 +7,30 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import poptorch
 from conftest import options
 
 
 class Classifier(torch.nn.Module):
-    def __init__(self):
+    """With ``checkpointed``, the hidden layer runs under
+    torch.utils.checkpoint (recomputed in the backward pass)."""
+
+    def __init__(self, checkpointed=False):
         super().__init__()
         self.hidden = torch.nn.Linear(4, 8)
         self.out = torch.nn.Linear(8, 3)
+        self.checkpointed = checkpointed
+
+    def _features(self, x):
+        return torch.relu(self.hidden(x))
 
     def forward(self, x, y=None):
-        logits = self.out(torch.relu(self.hidden(x)))
+        features = (torch.utils.checkpoint.checkpoint(
+            self._features, x, use_reentrant=False) if self.checkpointed
+            else self._features(x))
+        logits = self.out(features)
         if y is None:
             return logits
         return logits, torch.nn.functional.cross_entropy(logits, y)
@@ -60,13 +71,15 @@ def test_a_float32_model_runs_on_float16_inputs(behavior, dtype):
     torch.testing.assert_close(out, _by_hand(net, x, dtype), atol=0, rtol=0)
 
 
-def test_training_keeps_float32_weights_and_updates():
-    """float32 weights, float16 inputs: the forward pass runs in float16,
-    gradients reach the float32 weights through the casts, and the SGD
-    update is float32, as PyTorch computes it with the casts written out
-    (atol 1e-6 after two steps)."""
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_training_keeps_float32_weights_and_updates(checkpointed):
+    """float32 weights, float16 inputs: the forward pass runs in float16
+    (its recomputation under torch.utils.checkpoint too), gradients reach
+    the float32 weights through the casts, and the SGD update is float32,
+    as PyTorch computes it with the casts written out (atol 1e-6 after two
+    steps)."""
     torch.manual_seed(0)
-    net = Classifier()
+    net = Classifier(checkpointed)
     twin = copy.deepcopy(net)
     optimizer = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     model = poptorch.trainingModel(

@@ -7,19 +7,26 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import poptorch
 from conftest import assert_same_weights, options, reference_training
 
 
 class Recurrent(torch.nn.Module):
-    def __init__(self, layer):
+    """A recurrent layer and a head; with ``checkpointed``, the layer runs
+    under torch.utils.checkpoint (recomputed in the backward pass)."""
+
+    def __init__(self, layer, checkpointed=False):
         super().__init__()
         self.layer = layer
         self.head = torch.nn.Linear(2 * 6 if layer.bidirectional else 6, 3)
+        self.checkpointed = checkpointed
 
     def forward(self, x, y=None):
-        h, _ = self.layer(x)
+        h, _ = (torch.utils.checkpoint.checkpoint(
+            self.layer, x, use_reentrant=False) if self.checkpointed
+            else self.layer(x))
         out = self.head(h[:, -1])
         if y is None:
             return out
@@ -43,13 +50,16 @@ def _sequences(rows, seed):
             torch.randint(0, 3, (rows,), generator=generator))
 
 
+@pytest.mark.parametrize("checkpointed", [False, True],
+                         ids=["", "checkpointed"])
 @pytest.mark.parametrize("make_layer", list(LAYERS.values()), ids=list(LAYERS))
-def test_recurrent_layers_train_like_plain_pytorch(make_layer):
+def test_recurrent_layers_train_like_plain_pytorch(make_layer, checkpointed):
     """2 calls of 2 optimizer steps of 2 micro-batches: the weights equal
     plain PyTorch's (atol 1e-5: its oneDNN kernels round differently from
-    the cell operations), and oneDNN is still on afterwards."""
+    the cell operations), and oneDNN is still on afterwards. Under
+    torch.utils.checkpoint the recomputation runs the cell operations too."""
     torch.manual_seed(0)
-    net = Recurrent(make_layer())
+    net = Recurrent(make_layer(), checkpointed)
     twin = copy.deepcopy(net)
     model = poptorch.trainingModel(
         net, options(device_iterations=2, accumulation=2),

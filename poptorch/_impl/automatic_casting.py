@@ -19,8 +19,9 @@ tensors. Writes (in-place operations, ``out=``), explicit conversions and
 batch normalisation, whose float32 running statistics are updated in place,
 are left as they are, as by the half/float rule (``half_casting.py``).
 """
+import contextlib
 import dataclasses
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -193,6 +194,23 @@ def exit_scope() -> None:
 def set_module_enabled(module: torch.nn.Module, enabled: bool) -> None:
     """Record ``module.autocast(enabled)``."""
     setattr(module, _MODULE_SETTING, enabled)
+
+
+def current_scopes() -> List[_Scope]:
+    """The open scopes, outermost first."""
+    return list(_scopes)
+
+
+@contextlib.contextmanager
+def scopes_as(scopes: List[_Scope]) -> Iterator[None]:
+    """Run the block with ``scopes`` open (those of a forward pass that
+    the block runs again)."""
+    saved = list(_scopes)
+    _scopes[:] = scopes
+    try:
+        yield
+    finally:
+        _scopes[:] = saved
 
 
 def _innermost(attribute: str) -> Any:

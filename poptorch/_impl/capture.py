@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
-from . import blocks, losses, tracing_context
+from . import blocks, losses, recomputation, tracing_context
 from .compile_errors import capture_error
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
 from .automatic_casting import AutomaticCasting, Policy
@@ -133,20 +133,50 @@ class ModelCall:
     tensor_positions: List[int]
     mixed_dtype: torch.dtype
     autocast_policy: Optional[Policy]
+    _in_modes: bool = dataclasses.field(default=False, init=False,
+                                        repr=False)
 
     @contextlib.contextmanager
     def bound(self, params: Sequence[torch.Tensor],
               buffers: Sequence[torch.Tensor]) -> Iterator[None]:
         """The module's parameters and buffers read as ``params`` and
-        ``buffers`` in the block. A training step keeps them bound through
-        its backward pass, where ``torch.utils.checkpoint`` runs parts of
-        ``forward`` again: without it, the recomputation would read the
-        module's own tensors as constants, stale after the first update."""
+        ``buffers`` in the block, with the capture's modes active. A
+        training step keeps both through its backward pass, where
+        ``torch.utils.checkpoint`` runs parts of ``forward`` again: without
+        them, the recomputation would read the module's own tensors as
+        constants, stale after the first update, and compute without the
+        forward pass's casts."""
         state = dict(zip(self.param_names, params))
         state.update(zip(self.buffer_names, buffers))
         with torch.nn.utils.stateless._reparametrize_module(
-                self.module, state, tie_weights=True):
+                self.module, state, tie_weights=True), self._modes(), \
+                recomputation.with_modes(self._mode_stack):
             yield
+
+    @contextlib.contextmanager
+    def _modes(self) -> Iterator[None]:
+        """The capture's modes, entered once when nested."""
+        if self._in_modes:
+            yield
+            return
+        self._in_modes = True
+        try:
+            with self._mode_stack():
+                yield
+        finally:
+            self._in_modes = False
+
+    def _mode_stack(self) -> contextlib.ExitStack:
+        """The TorchFunctionModes of a captured forward pass: half/float
+        casting, cumulative BatchNorm averages, recurrent layers without
+        oneDNN and automatic casting."""
+        modes = contextlib.ExitStack()
+        modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
+        modes.enter_context(CumulativeAverage())
+        modes.enter_context(RecurrentLayersWithoutOneDnn())
+        if self.autocast_policy is not None:
+            modes.enter_context(AutomaticCasting(self.autocast_policy))
+        return modes
 
     def __call__(self, params: Sequence[torch.Tensor],
                  buffers: Sequence[torch.Tensor],
@@ -157,12 +187,7 @@ class ModelCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.input_spec)
         state = (dict(zip(self.param_names, params)),
                  dict(zip(self.buffer_names, buffers)))
-        with contextlib.ExitStack() as modes:
-            modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
-            modes.enter_context(CumulativeAverage())
-            modes.enter_context(RecurrentLayersWithoutOneDnn())
-            if self.autocast_policy is not None:
-                modes.enter_context(AutomaticCasting(self.autocast_policy))
+        with self._modes():
             return torch.func.functional_call(self.module, state,
                                               tuple(args), dict(kwargs))
 
