@@ -302,3 +302,58 @@ def test_sparse_embeddings_train_with_dense_gradients(optimizer):
     model.copyWeightsToHost()
     assert_same_weights(net, reference, atol=1e-6)
     assert net.embedding.sparse and net.bag.sparse
+
+
+class _Features(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 6)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class _WithPreparedPart(torch.nn.Module):
+    """A part prepared for plain PyTorch: scripted, traced or compiled."""
+
+    def __init__(self, prepare):
+        super().__init__()
+        self.features = prepare(_Features())
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        out = self.head(self.features(x))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+PREPARED = {
+    "script": torch.jit.script,
+    "trace": lambda part: torch.jit.trace(part, torch.randn(2, 4)),
+    "compile": torch.compile,
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("prepare", list(PREPARED.values()),
+                         ids=list(PREPARED))
+def test_scripted_traced_and_compiled_parts_are_captured(prepare):
+    """TorchScript and torch.compile parts trace into the model's graph
+    (a compiled part runs as written; the backend compiles the whole
+    step) and train like the plain module."""
+    torch.manual_seed(0)
+    net = _WithPreparedPart(prepare)
+    reference = _WithPreparedPart(lambda part: part)
+    reference.load_state_dict({name.replace("_orig_mod.", ""): value
+                               for name, value in net.state_dict().items()})
+    model = poptorch.trainingModel(net, poptorch.Options().deviceIterations(2),
+                                   torch.optim.SGD(net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = make_data(8)
+    model(x, y)
+    reference_training(reference, optimizer, (x, y), device_iterations=2)
+    model.copyWeightsToHost()
+    trained = {name.replace("_orig_mod.", ""): value
+               for name, value in net.state_dict().items()}
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-6,
+                                   rtol=1e-5)

@@ -46,7 +46,9 @@ def module_scopes(modules: Dict[str, torch.nn.Module]) -> Iterator[None]:
     ``forward`` runs with the module's path (``node.meta["custom"]``)."""
     handles = []
     for path, module in modules.items():
-        if path:
+        # TorchScript modules take no hooks: their operations keep the
+        # scope of the module that calls them.
+        if path and not isinstance(module, torch.jit.ScriptModule):
             handles.append(module.register_forward_pre_hook(
                 _enter_module(path.replace(".", "/")), prepend=True))
             handles.append(module.register_forward_hook(

@@ -10,11 +10,16 @@
   off while tracing, as ``Distribution.set_default_validate_args(False)``
   sets it; a distribution created with ``validate_args=True`` still
   validates and fails with a hint (``compile_errors.py``).
+* Parts of the model compiled with ``torch.compile`` run as they were
+  written (dynamo's ``error_on_nested_fx_trace`` off: a compiled function
+  met while tracing is inlined); the capture traces them into the model's
+  graph, which the backend compiles whole.
 """
 import contextlib
 import logging
 from typing import Iterator
 
+import torch._dynamo
 from torch.distributions import Distribution
 
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
@@ -35,7 +40,8 @@ def fake_tracing() -> Iterator[None]:
     validate = Distribution._validate_args
     Distribution.set_default_validate_args(False)
     try:
-        yield
+        with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+            yield
     finally:
         Distribution.set_default_validate_args(validate)
         fake_tensor_log.removeFilter(meta_failures)
