@@ -181,3 +181,72 @@ def test_training_flags_are_kept_from_wrap_time():
     net.train()
     x = torch.ones(2, 4)
     torch.testing.assert_close(model(x), net[0](x))
+
+
+class _GeneratorLoss(torch.nn.Module):
+    def __init__(self, generator, discriminator):
+        super().__init__()
+        self.generator = generator
+        self.discriminator = discriminator
+
+    def forward(self, z):
+        score = self.discriminator(self.generator(z))
+        return torch.nn.functional.binary_cross_entropy_with_logits(
+            score, torch.ones_like(score))
+
+
+class _DiscriminatorLoss(_GeneratorLoss):
+    def forward(self, z, real):
+        fake = self.discriminator(self.generator(z).detach())
+        real = self.discriminator(real)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        return poptorch.identity_loss(
+            bce(fake, torch.zeros_like(fake)) +
+            bce(real, torch.ones_like(real)), "none")
+
+
+def _gan_parts(seed):
+    torch.manual_seed(seed)
+    return (torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 4)),
+            torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 1)))
+
+
+def test_training_models_of_modules_sharing_sub_modules_see_each_other():
+    """A GAN: two training models wrap different modules holding the same
+    generator and discriminator, each training one of them. Each call sees
+    the weights the other model trained, and the host gets the newest of
+    both, as in plain PyTorch."""
+    generator, discriminator = _gan_parts(0)
+    plain_generator, plain_discriminator = _gan_parts(0)
+    g_model = poptorch.trainingModel(
+        _GeneratorLoss(generator, discriminator), options(),
+        torch.optim.SGD(generator.parameters(), lr=0.1))
+    d_model = poptorch.trainingModel(
+        _DiscriminatorLoss(generator, discriminator), options(),
+        torch.optim.SGD(discriminator.parameters(), lr=0.1))
+    g_plain = _GeneratorLoss(plain_generator, plain_discriminator)
+    d_plain = _DiscriminatorLoss(plain_generator, plain_discriminator)
+    g_optimizer = torch.optim.SGD(plain_generator.parameters(), lr=0.1)
+    d_optimizer = torch.optim.SGD(plain_discriminator.parameters(), lr=0.1)
+    for step in range(3):
+        generator_input = torch.randn(4, 2, generator=torch.Generator()
+                                      .manual_seed(step))
+        real = torch.randn(4, 4, generator=torch.Generator()
+                           .manual_seed(100 + step))
+        d_loss = d_model(generator_input, real)
+        d_optimizer.zero_grad()
+        expected = d_plain(generator_input, real)
+        expected.backward()
+        d_optimizer.step()
+        torch.testing.assert_close(d_loss, expected.detach())
+        g_loss = g_model(generator_input)
+        g_optimizer.zero_grad()
+        expected = g_plain(generator_input)
+        expected.backward()
+        g_optimizer.step()
+        torch.testing.assert_close(g_loss, expected.detach())
+    d_model.copyWeightsToHost()   # its generator is older than g_model's
+    assert_same_weights(generator, plain_generator)
+    assert_same_weights(discriminator, plain_discriminator)

@@ -92,6 +92,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._cuda_graph_call: Optional[CudaGraphCall] = None
         self._all_reduces = False
         self._staged: Optional[staged_execution.StagedExecution] = None
+        self._shared: Optional[weight_sync.SharedTensors] = None
 
     # --- attribute delegation -------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -168,6 +169,11 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._registered = True
         device = select_device(self._options.use_ipu_model)
         self._sync.bring_host_up_to_date()
+        with weight_sync.host_reads_suspended():
+            self._shared = weight_sync.SharedTensors(
+                self, [*self._module.parameters(), *self._module.buffers()])
+        for source in self._shared.stale_sources(self):
+            source.copyWeightsToHostIfNeeded()
         with weight_sync.host_reads_suspended():
             state = DeviceState(self._module, device, self._buffer_sets())
             grouped = replica_grouping.collect(
@@ -383,7 +389,20 @@ class PoplarExecutor(CompiledExecutionMethods):
         if not self._training and self._loaded_version != self._sync.version:
             self._sync.bring_host_up_to_date()
             self.copyWeightsToDevice()
+        self._load_weights_trained_elsewhere()
         return self._run(call)
+
+    def _load_weights_trained_elsewhere(self) -> None:
+        """Weights that another model trained since this model's last call
+        (the two wrap modules sharing sub-modules) reach this model's
+        device through the host, after this model's own trained weights."""
+        sources = self._shared.stale_sources(self)
+        if not sources:
+            return
+        self.copyWeightsToHostIfNeeded()
+        for source in sources:
+            source.copyWeightsToHostIfNeeded()
+        self.copyWeightsToDevice()
 
     def _connect_for_run(self) -> None:
         if self._options.connection_type == ConnectionType.Never:
@@ -412,6 +431,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                     host_inputs[index].copy_(device_inputs[index])
         if self._training:
             self._sync.trained_on_device()
+            self._shared.trained()
             self._loaded_version = self._sync.version
             _mark_optimizer_stepped(self._optimizer)
         result = self._shape_outputs(outputs)
@@ -514,8 +534,11 @@ class PoplarExecutor(CompiledExecutionMethods):
     # --- weights --------------------------------------------------------------
     def copyWeightsToHost(self) -> None:
         """Copy the device's weights (and the first replica's buffers) into
-        the wrapped module's parameters and buffers."""
+        the wrapped module's parameters and buffers (after loading the
+        weights another model sharing sub-modules trained since, so that
+        no stale copy overwrites them)."""
         self._require_compiled("copyWeightsToHost")
+        self._load_weights_trained_elsewhere()
         with weight_sync.host_reads_suspended():
             self._state.store_to_host(self._module)
         if self._sync.trainer is self:

@@ -17,12 +17,14 @@
 """
 import contextlib
 import logging
+import warnings
 from typing import Iterator
 
 import torch._dynamo
 from torch.distributions import Distribution
 
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
+_COMPILED_PART_HOOKS = "Using `torch.compile\\(module\\)` when there are global hooks"
 
 
 class _MetaFailureFilter(logging.Filter):
@@ -40,7 +42,11 @@ def fake_tracing() -> Iterator[None]:
     validate = Distribution._validate_args
     Distribution.set_default_validate_args(False)
     try:
-        with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+        with torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
+                warnings.catch_warnings():
+            # Automatic casting's global module hooks fire twice for a
+            # compiled part, which torch warns of; its scopes stay balanced.
+            warnings.filterwarnings("ignore", message=_COMPILED_PART_HOOKS)
             yield
     finally:
         Distribution.set_default_validate_args(validate)

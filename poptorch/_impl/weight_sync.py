@@ -5,10 +5,19 @@ Wrapping a module attaches a ``ModuleSync`` to it and swaps its class for a
 subclass whose parameter and buffer accessors first bring trained weights back
 from the training model's device, once per training call. Pickling and
 deep-copying the module give a plain instance of the original class.
+
+Models of different modules may share sub-modules (a GAN's generator loss
+and discriminator loss both hold the generator and the discriminator).
+``SharedTensors`` keeps a record of every compiled model's parameters and
+buffers and of the training calls: before a call, a model that shares a
+tensor with another model trained since its last call gets the newer
+weights, through the host (``stale_sources``).
 """
 import contextlib
 import copyreg
-from typing import Iterator, Optional
+import itertools
+import weakref
+from typing import Iterable, Iterator, List, Optional
 
 import torch
 
@@ -74,6 +83,36 @@ class ModuleSync:
         if trainer is not None:
             trainer.copyWeightsToHost()
         return True
+
+
+_training_calls = itertools.count(1)
+_models: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class SharedTensors:
+    """One compiled model's host parameters and buffers (by identity), the
+    training call that last changed them on its device, and the training
+    calls it has seen."""
+
+    def __init__(self, model, tensors: Iterable[torch.Tensor]) -> None:
+        self.tensors = frozenset(id(t) for t in tensors)
+        self.trained_at = 0
+        self.synced_at = 0
+        _models.add(model)
+
+    def trained(self) -> None:
+        """A training call of this model changed its device weights."""
+        self.trained_at = self.synced_at = next(_training_calls)
+
+    def stale_sources(self, model) -> List[object]:
+        """The other models that trained tensors of this model since its
+        last call or load; marks them seen."""
+        sources = [other for other in list(_models)
+                   if other is not model and other._shared is not None
+                   and other._shared.trained_at > self.synced_at
+                   and other._shared.tensors & self.tensors]
+        self.synced_at = next(_training_calls)
+        return sources
 
 
 def attach(module: torch.nn.Module) -> ModuleSync:
