@@ -594,6 +594,18 @@ def test_changing_a_constant_attribute_is_an_error(mlp, change, name):
     assert_snapshot_equal(model, before)
 
 
+def test_another_optimizer_family_is_an_error_naming_both(mlp):
+    model = poptorch.trainingModel(
+        mlp, options(2), torch.optim.SGD(mlp.parameters(), lr=0.1))
+    run_calls(model, 0, 1, rows=4)
+    before = snapshot(model)
+    with pytest.raises(poptorch.Error, match=r"optimizer family changed "
+                       r"after the model was compiled \(SGD at compilation, "
+                       r"now Adam\)"):
+        model.setOptimizer(torch.optim.Adam(mlp.parameters()))
+    assert_snapshot_equal(model, before)
+
+
 def test_mark_as_variable_before_compiling_makes_it_changeable(pair):
     mlp, twin = pair
     optimizer = P.SGD(mlp.parameters(), lr=0.1, momentum=0.9)

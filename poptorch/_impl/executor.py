@@ -724,8 +724,21 @@ def _check_mode_options(options, training: bool) -> None:
             "applies to training models")
 
 
+def _families(plan: OptimizerPlan) -> str:
+    """The optimizer families of a plan's groups (SGD, Adam, RMSprop,
+    LAMB)."""
+    return ", ".join(sorted({type(group.rule).__name__.replace("Rule", "")
+                             for group in plan.groups}))
+
+
 def _check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
     """Raise unless ``new`` differs from ``old`` in variable values only."""
+    old_families, new_families = _families(old), _families(new)
+    if old_families != new_families:
+        raise Error(f"setOptimizer: the optimizer family changed after the "
+                    f"model was compiled ({old_families} at compilation, "
+                    f"now {new_families}); call destroy() and compile again "
+                    "to use another type of optimizer.")
     old_groups = [group.indices for group in old.groups]
     new_groups = [group.indices for group in new.groups]
     if old_groups != new_groups:
