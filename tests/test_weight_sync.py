@@ -72,6 +72,32 @@ def test_inference_model_sees_newly_trained_weights(mlp):
     torch.testing.assert_close(after, mlp(x))
 
 
+def test_alternating_training_and_inference_copies_each_way_once(
+        mlp, count_copies_to_host, monkeypatch):
+    """A validation call after a training call copies the trained weights
+    to the host once and to the inference device once."""
+    loads = {"copies": 0}
+    original = DeviceState.load_from_host
+
+    def counting(self, module):
+        loads["copies"] += 1
+        original(self, module)
+
+    monkeypatch.setattr(DeviceState, "load_from_host", counting)
+    x, y = make_data(4)
+    training = poptorch.trainingModel(
+        mlp, options(), torch.optim.SGD(mlp.parameters(), lr=0.5))
+    inference = poptorch.inferenceModel(mlp)
+    training(x, y)
+    inference(x)
+    host, device = count_copies_to_host["copies"], loads["copies"]
+    for _ in range(3):
+        training(x, y)
+        inference(x)
+    assert count_copies_to_host["copies"] - host == 3
+    assert loads["copies"] - device == 3
+
+
 @pytest.mark.parametrize("wrapped", ["before training", "after training"])
 def test_inference_compiled_after_training_starts_from_trained_weights(
         mlp, twin, wrapped):

@@ -386,20 +386,21 @@ class PoplarExecutor(CompiledExecutionMethods):
         else:
             self._signature.check(call)
         self._connect_for_run()
-        if not self._training and self._loaded_version != self._sync.version:
-            self._sync.bring_host_up_to_date()
-            self.copyWeightsToDevice()
-        self._load_weights_trained_elsewhere()
+        self._load_weights_trained_elsewhere(
+            same_module=not self._training and
+            self._loaded_version != self._sync.version)
         return self._run(call)
 
-    def _load_weights_trained_elsewhere(self) -> None:
+    def _load_weights_trained_elsewhere(self, same_module: bool = False
+                                        ) -> None:
         """Weights that another model trained since this model's last call
-        (the two wrap modules sharing sub-modules) reach this model's
-        device through the host, after this model's own trained weights."""
+        reach this model's device through the host, after this model's own
+        trained weights: the training model of the same module
+        (``same_module``) or models of modules sharing sub-modules."""
         sources = self._shared.stale_sources(self)
-        if not sources:
+        if not sources and not same_module:
             return
-        self.copyWeightsToHostIfNeeded()
+        self._sync.bring_host_up_to_date()
         for source in sources:
             source.copyWeightsToHostIfNeeded()
         self.copyWeightsToDevice()
