@@ -158,6 +158,26 @@ def test_explicit_distribution_validation_fails_with_a_hint():
     assert "in forward" in message
 
 
+class _Packed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=False)
+        return self.rnn(packed)[1]
+
+
+def test_packed_sequences_fail_with_a_hint():
+    model = poptorch.inferenceModel(_Packed())
+    with pytest.raises(poptorch.Error) as info:
+        model(torch.randn(3, 5, 4), torch.tensor([5, 3, 2]))
+    message = str(info.value)
+    assert "whose result shape depends on the data" in message
+    assert "run the recurrent layer on the padded batch" in message
+
+
 def test_training_capture_reports_the_same_location():
     message = _capture_error(_item, training=True)
     assert f"line {_line_of('# marker: item')}, in _item" in message

@@ -124,9 +124,20 @@ _DISTRIBUTION_CHECKS = (
 _DISTRIBUTIONS_DIR = os.path.join("torch", "distributions") + os.sep
 
 
+_PACKED_SEQUENCES = (
+    " Packed sequences (torch.nn.utils.rnn.pack_padded_sequence) have "
+    "data-dependent shapes: run the recurrent layer on the padded batch and "
+    "pick each sequence's last valid step by its length (for example with "
+    "torch.gather), or mask the padded steps")
+
+_RNN_UTILITIES = os.path.join("torch", "nn", "utils", "rnn.py")
+
+
 def _hint(frames: List[traceback.FrameSummary]) -> str:
     if any(_DISTRIBUTIONS_DIR in frame.filename for frame in frames):
         return _DISTRIBUTION_CHECKS
+    if any(frame.filename.endswith(_RNN_UTILITIES) for frame in frames):
+        return _PACKED_SEQUENCES + "."
     return ""
 
 
