@@ -5,6 +5,7 @@ import socket
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import poptorch
 from poptorch._impl import logger as logger_module
@@ -79,6 +80,22 @@ def reference_training(model, optimizer, inputs, device_iterations=1,
                 losses.append(loss.detach())
         optimizer.step()
     return torch.stack(losses)
+
+
+def maybe_checkpointed(function, x, checkpointed):
+    """``function(x)``, under non-reentrant torch.utils.checkpoint (so
+    recomputed in the backward pass) when ``checkpointed``."""
+    if checkpointed:
+        return torch.utils.checkpoint.checkpoint(function, x,
+                                                 use_reentrant=False)
+    return function(x)
+
+
+def cast_linear(layer, x, dtype):
+    """``layer`` (a torch.nn.Linear) on ``x`` with the input, weight and
+    bias cast to ``dtype``, as a casting rule computes it."""
+    return torch.nn.functional.linear(x.to(dtype), layer.weight.to(dtype),
+                                      layer.bias.to(dtype))
 
 
 def assert_same_weights(module_a, module_b, atol=1e-6):

@@ -9,12 +9,11 @@ import logging
 
 import pytest
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
 
 import poptorch
 from poptorch.autocasting import Policy
-from conftest import options
+from conftest import cast_linear, maybe_checkpointed, options
 
 HALF, FLOAT = torch.float16, torch.float32
 
@@ -35,26 +34,19 @@ class Net(torch.nn.Module):
         return self.norm(self.act(self.first(x)))
 
     def forward(self, x, y=None):
-        features = (torch.utils.checkpoint.checkpoint(
-            self._features, x, use_reentrant=False) if self.checkpointed
-            else self._features(x))
+        features = maybe_checkpointed(self._features, x, self.checkpointed)
         out = self.last(features)
         if y is None:
             return out
         return out, F.mse_loss(out, y)
 
 
-def _linear(layer, x, dtype):
-    return F.linear(x.to(dtype), layer.weight.to(dtype),
-                    layer.bias.to(dtype))
-
-
 def _by_hand(net, x, last_dtype=HALF):
     """``net`` with the default policy's casts: linears in ``last_dtype``
     (the first always float16), layer norm in float32."""
-    h = torch.relu(_linear(net.first, x, HALF))
+    h = torch.relu(cast_linear(net.first, x, HALF))
     h = F.layer_norm(h.float(), (8,), net.norm.weight, net.norm.bias)
-    return _linear(net.last, h, last_dtype)
+    return cast_linear(net.last, h, last_dtype)
 
 
 def _net(checkpointed=False):
@@ -132,11 +124,11 @@ def test_decorator_and_block_enable_and_disable_casting():
     net = Decorated()
     x = torch.randn(4, 4)
     first, out = poptorch.inferenceModel(net, options())(x)
-    expected_first = _linear(net.first, x, HALF)
+    expected_first = cast_linear(net.first, x, HALF)
     _exact(first, expected_first)
     h = F.layer_norm(expected_first.float(), (8,), net.norm.weight,
                      net.norm.bias)
-    _exact(out, _linear(net.last, h, FLOAT))
+    _exact(out, cast_linear(net.last, h, FLOAT))
 
 
 @pytest.mark.parametrize("stages, checkpointed", [(1, False), (2, False),
@@ -226,7 +218,7 @@ def test_custom_policy_types_modules_and_operations():
     _exact(product, torch.bmm(a.float(), b.float()))
     _exact(dot, torch.dot(u.float(), v))
     # Not in the policy: the half/float rule (float16 by default).
-    _exact(linear, _linear(net.linear, a, HALF))
+    _exact(linear, cast_linear(net.linear, a, HALF))
     _exact(added, u + v.half())
 
 

@@ -7,10 +7,9 @@ import copy
 
 import pytest
 import torch
-import torch.utils.checkpoint
 
 import poptorch
-from conftest import options
+from conftest import cast_linear, maybe_checkpointed, options
 
 
 class Classifier(torch.nn.Module):
@@ -27,9 +26,7 @@ class Classifier(torch.nn.Module):
         return torch.relu(self.hidden(x))
 
     def forward(self, x, y=None):
-        features = (torch.utils.checkpoint.checkpoint(
-            self._features, x, use_reentrant=False) if self.checkpointed
-            else self._features(x))
+        features = maybe_checkpointed(self._features, x, self.checkpointed)
         logits = self.out(features)
         if y is None:
             return logits
@@ -38,10 +35,8 @@ class Classifier(torch.nn.Module):
 
 def _by_hand(net, x, dtype):
     """``net`` on ``x`` with every float tensor cast to ``dtype``."""
-    h = torch.nn.functional.linear(x.to(dtype), net.hidden.weight.to(dtype),
-                                   net.hidden.bias.to(dtype))
-    return torch.nn.functional.linear(torch.relu(h), net.out.weight.to(dtype),
-                                      net.out.bias.to(dtype))
+    h = cast_linear(net.hidden, x, dtype)
+    return cast_linear(net.out, torch.relu(h), dtype)
 
 
 def _half_options(behavior=None, **extra):

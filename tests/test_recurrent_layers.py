@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-import torch.utils.checkpoint
 
 import poptorch
-from conftest import assert_same_weights, options, reference_training
+from conftest import (assert_same_weights, maybe_checkpointed, options,
+                      reference_training)
 
 
 class Recurrent(torch.nn.Module):
@@ -24,9 +24,7 @@ class Recurrent(torch.nn.Module):
         self.checkpointed = checkpointed
 
     def forward(self, x, y=None):
-        h, _ = (torch.utils.checkpoint.checkpoint(
-            self.layer, x, use_reentrant=False) if self.checkpointed
-            else self.layer(x))
+        h, _ = maybe_checkpointed(self.layer, x, self.checkpointed)
         out = self.head(h[:, -1])
         if y is None:
             return out

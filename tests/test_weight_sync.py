@@ -10,17 +10,23 @@ from poptorch._impl.device_state import DeviceState
 from conftest import ClassifierMLP, assert_same_weights, make_data, options
 
 
-@pytest.fixture
-def count_copies_to_host(monkeypatch):
+def _count_calls(monkeypatch, method: str) -> dict:
+    """Count the calls of ``DeviceState.<method>`` (a copy between the
+    module and a device)."""
     counter = {"copies": 0}
-    original = DeviceState.store_to_host
+    original = getattr(DeviceState, method)
 
     def counting(self, module):
         counter["copies"] += 1
         original(self, module)
 
-    monkeypatch.setattr(DeviceState, "store_to_host", counting)
+    monkeypatch.setattr(DeviceState, method, counting)
     return counter
+
+
+@pytest.fixture
+def count_copies_to_host(monkeypatch):
+    return _count_calls(monkeypatch, "store_to_host")
 
 
 def test_host_read_after_training_copies_back_once(mlp, count_copies_to_host):
@@ -76,14 +82,7 @@ def test_alternating_training_and_inference_copies_each_way_once(
         mlp, count_copies_to_host, monkeypatch):
     """A validation call after a training call copies the trained weights
     to the host once and to the inference device once."""
-    loads = {"copies": 0}
-    original = DeviceState.load_from_host
-
-    def counting(self, module):
-        loads["copies"] += 1
-        original(self, module)
-
-    monkeypatch.setattr(DeviceState, "load_from_host", counting)
+    loads = _count_calls(monkeypatch, "load_from_host")
     x, y = make_data(4)
     training = poptorch.trainingModel(
         mlp, options(), torch.optim.SGD(mlp.parameters(), lr=0.5))
