@@ -315,7 +315,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             update = self._trace_update(model_call, training, settings,
                                         example, state, inputs, processes)
         accumulate = settings.gradients.accumulates
-        summed = accumulate or self._session.backend.sums_gradients_in_buffer
+        summed = self._sums_gradients(settings)
         graphs = {"update": update}
         if accumulate:
             graphs["accumulate"] = self._replicas.trace_training(
@@ -349,12 +349,18 @@ class PoplarExecutor(CompiledExecutionMethods):
                       inputs, processes) -> torch.fx.GraphModule:
         """The captured step of the last micro-batch of an optimizer step,
         with the update."""
-        summed = (settings.gradients.accumulates or
-                  self._session.backend.sums_gradients_in_buffer)
         return self._replicas.trace_training(
             model_call, training, settings, example, state.buffers, inputs,
-            self._training_flags, update=True, accumulated=summed,
+            self._training_flags, update=True,
+            accumulated=self._sums_gradients(settings),
             reduce_gradients=processes.reduce_gradients(settings.reduction))
+
+    def _sums_gradients(self, settings: StepSettings) -> bool:
+        """Whether the update step adds its gradients to a running sum: the
+        step accumulates micro-batches, or the backend keeps gradients in a
+        reused buffer."""
+        return (settings.gradients.accumulates or
+                self._session.backend.sums_gradients_in_buffer)
 
     def _batch_layout(self) -> BatchLayout:
         options = self._options
