@@ -297,6 +297,31 @@ def test_for_loop_traces_the_iterations_into_the_graph():
     assert torch.allclose(graph(x), x.sin().sin().sin().sin())
 
 
+def accumulate_in_place(x, total):
+    total.add_(x)
+    return x, total
+
+
+def test_for_loop_passes_its_inputs_by_value():
+    x, total = torch.tensor([1.0, 2.0]), torch.zeros(2)
+    result = ops.for_loop(3, accumulate_in_place, [x, total])
+    assert torch.equal(result[1], x * 3)
+    assert torch.equal(total, torch.zeros(2))
+
+
+class InPlaceLoop(torch.nn.Module):
+    def forward(self, x, total):
+        return ops.for_loop(2, accumulate_in_place, [x, total])[1] * 1
+
+
+def test_for_loop_in_a_model_leaves_the_callers_inputs_unchanged():
+    x, total = torch.tensor([[1.0, 2.0]]), torch.ones(1, 2)
+    model = poptorch.inferenceModel(InPlaceLoop())
+    assert torch.equal(model(x, total), 1 + 2 * x)
+    assert torch.equal(total, torch.ones(1, 2))
+    assert torch.equal(model(x, total), 1 + 2 * x)
+
+
 @pytest.mark.parametrize("count, body, message", [
     (2, lambda a, b: a, "body takes 2 tensor\\(s\\) but returned 1"),
     (2, lambda a, b: (a, b.sum()), "body output 1 is torch.float32 \\(\\) "

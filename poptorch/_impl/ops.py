@@ -346,13 +346,15 @@ def for_loop(count: int, body: Callable[..., object],
 
     ``body`` must return as many tensors as it takes, with the same shapes
     and dtypes. ``count`` is a Python int: a captured graph holds the
-    iterations unrolled.
+    iterations unrolled. The inputs are passed by value, as in PopTorch: an
+    in-place operation of ``body`` never writes into the caller's tensors.
     """
     count = _check_count("for_loop", "count", count, 0)
     if not callable(body):
         raise Error(f"for_loop: body must be callable, not "
                     f"{type(body).__name__}")
-    values = _as_tensor_list("for_loop", "inputs", inputs)
+    values = [value.clone()
+              for value in _as_tensor_list("for_loop", "inputs", inputs)]
     for _ in range(count):
         outputs = _as_tensor_list("for_loop", "the value body returns",
                                   body(*values))
