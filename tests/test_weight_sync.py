@@ -58,6 +58,37 @@ def test_calling_the_module_on_host_uses_trained_weights(mlp, twin):
     torch.testing.assert_close(mlp(x), twin(x))
 
 
+class ClosureClassifier(torch.nn.Module):
+    """Reaches its layer through a closure, never through an attribute read
+    of itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        layer = self.fc
+        self.__dict__["classify"] = lambda x: layer(x)
+
+    def forward(self, x, y=None):
+        out = self.classify(x)
+        if y is None:
+            return out
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_calling_a_module_that_reaches_its_layers_by_closure_is_current():
+    torch.manual_seed(0)
+    module = ClosureClassifier()
+    reference = copy.deepcopy(module.fc)
+    x, y = make_data(4)
+    model = poptorch.trainingModel(module, options(), torch.optim.SGD(
+        module.parameters(), lr=0.5))
+    model(x, y)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    optimizer.step()
+    torch.testing.assert_close(module(x), reference(x), rtol=0, atol=1e-6)
+
+
 def test_copy_weights_to_host_if_needed_reports_copies(mlp):
     model = poptorch.trainingModel(mlp, options())
     model(*make_data(4))

@@ -2,8 +2,10 @@
 step (semantics.md, "Weights between host and device").
 
 Wrapping a module attaches a ``ModuleSync`` to it and swaps its class for a
-subclass whose parameter and buffer accessors first bring trained weights back
-from the training model's device, once per training call. Pickling and
+subclass whose calls and parameter and buffer accessors first bring trained
+weights back from the training model's device, once per training call: a
+call of the module is current even when its ``forward`` reaches sub-modules
+through closures or stored references rather than attribute reads. Pickling and
 deep-copying the module give a plain instance of the original class.
 
 Models of different modules may share sub-modules (a GAN's generator loss
@@ -154,7 +156,7 @@ def _hooked_class(original: type) -> type:
     return hooked
 
 
-_READ_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers",
+_READ_METHODS = ("__call__", "parameters", "named_parameters", "buffers", "named_buffers",
                  "state_dict", "modules", "named_modules", "children",
                  "named_children", "_apply")
 
