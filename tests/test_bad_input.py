@@ -108,15 +108,34 @@ def test_never_connected_model_compiles_but_does_not_run(mlp):
         model(torch.ones(2, 4))
 
 
-def test_buffers_written_with_replicas_need_broadcast_buffers_off():
-    from conftest import BatchNormNet, make_images
-    net = BatchNormNet()
+class CountingNet(torch.nn.Module):
+    """Writes a buffer of its own in forward (not a normalisation
+    statistic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, y):
+        self.calls.add_(1)
+        out = self.fc(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_buffers_the_model_writes_need_broadcast_buffers_off_with_replicas():
+    net = CountingNet()
+    before = copy.deepcopy(net.state_dict())
     model = poptorch.trainingModel(net, options(replicas=2))
-    with pytest.raises(poptorch.Error, match=r"broadcastBuffers\(False\)"):
-        model(*make_images(4))
-    opts = options(replicas=2, broadcastBuffers=False)
+    with pytest.raises(poptorch.Error,
+                       match=r"\(calls\).*broadcastBuffers\(False\)"):
+        model(*make_data(4))
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, before[name])
     model.destroy()
-    poptorch.trainingModel(net, opts)(*make_images(4))
+    poptorch.trainingModel(net, options(replicas=2, broadcastBuffers=False))(
+        *make_data(4))
+    assert net.calls.item() == 1
 
 
 def test_set_optimizer_with_changed_defaulted_weight_decay_is_an_error(

@@ -120,6 +120,19 @@ def test_batchnorm_statistics_stay_per_replica(twin_bn=None):
                            buffer_sets[1]["bn.running_mean"])
 
 
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_batchnorm_trains_per_replica_with_buffers_broadcast(replicas):
+    """With the default broadcastBuffers(True), as in PopTorch, each replica
+    updates its own running statistics and the host sees the first
+    replica's."""
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    twin = copy.deepcopy(net)
+    inputs = make_images(replicas * 6)
+    _, (_, losses) = _train(net, options(replicas=replicas), inputs)
+    _assert_per_replica_training(net, twin, inputs, replicas, losses)
+
+
 def _batch_norm_ops(model) -> list:
     graph = model._session.graphs["update"].graph
     return [node.target for node in graph.nodes

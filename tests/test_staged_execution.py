@@ -458,14 +458,17 @@ def _per_replica_buffers_reference(twin, x, y, replicas, calls):
     return per_call, buffer_sets
 
 
+@pytest.mark.parametrize("broadcast", [False, True])
 @parametrize_strategies(TWO_SCHEDULES)
-def test_replicas_keep_their_own_buffers_across_the_stages(make_strategy):
-    """With broadcastBuffers(False), each replica's micro-batches read and
-    update its own BatchNorm statistics in the stage that holds them."""
+def test_replicas_keep_their_own_buffers_across_the_stages(make_strategy,
+                                                           broadcast):
+    """Each replica's micro-batches read and update its own BatchNorm
+    statistics in the stage that holds them, whether buffers are broadcast
+    (PopTorch's default) or not."""
     net, twin = four_blocks_pair()
     model = poptorch.trainingModel(
         net, options(ITERATIONS, ACCUMULATION, replicas=2,
-                     broadcastBuffers=False,
+                     broadcastBuffers=broadcast,
                      setExecutionStrategy=make_strategy(),
                      outputMode=poptorch.OutputMode.All), _sgd(net))
     data = [make_data(2 * ROWS, seed=call) for call in range(2)]

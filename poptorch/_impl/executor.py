@@ -7,9 +7,10 @@ runs the captured step(s) for the whole call, and the outputs are shaped per
 ``OutputMode``. The first call (or ``compile()``) captures the model.
 """
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 
 from .._version import __version__
@@ -266,15 +267,11 @@ class PoplarExecutor(CompiledExecutionMethods):
             distributed.stage_processes(self._options) > 1
         if stage_per_process:
             data_parallel //= self._staged.stage_count
-        if analysis.written_buffers and self._options.broadcast_buffers \
-                and layout.replicas * data_parallel > 1:
-            raise Error(
-                "The model writes to its buffers during training "
-                f"({', '.join(state.buffer_names[i] for i in analysis.written_buffers)}) "
-                f"and replicationFactor is {layout.replicas}: buffers cannot "
-                "be broadcast between replicas. Set "
-                "options.broadcastBuffers(False) so that each replica keeps "
-                "its own buffers.")
+        _check_broadcast_buffers_unwritten(
+            state, analysis.written_buffers,
+            self._options.broadcast_buffers and
+            layout.replicas * data_parallel > 1,
+            _running_statistics(self._module, self._training_flags))
         training = TrainingLayout.build(self._plan, analysis.params_reaching_loss,
                                         len(state.params))
         host_params = _host_params(self._module)
@@ -373,7 +370,13 @@ class PoplarExecutor(CompiledExecutionMethods):
             input_group_type=options.input_group_type)
 
     def _buffer_sets(self) -> int:
-        if self._options.broadcast_buffers:
+        """One set of buffers, or one per replica: with
+        ``broadcastBuffers(False)``, and in training when normalisation
+        layers update their running statistics, which each replica keeps
+        for itself as on IPUs (the host sees the first replica's)."""
+        if self._options.broadcast_buffers and not (
+                self._training and _running_statistics(
+                    self._module, self._training_flags)):
             return 1
         return self._options.replication_factor
 
@@ -702,6 +705,36 @@ class PoplarExecutor(CompiledExecutionMethods):
 def _host_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     with weight_sync.host_reads_suspended():
         return [p for _, p in module.named_parameters()]
+
+
+def _running_statistics(module: torch.nn.Module,
+                        training_flags: Dict[str, bool]) -> Set[str]:
+    """The names of the running-statistics buffers that the module's
+    normalisation layers (BatchNorm, InstanceNorm with
+    ``track_running_stats``) update in training mode."""
+    with weight_sync.host_reads_suspended():
+        return {f"{path}{'.' if path else ''}{name}"
+                for path, layer in module.named_modules()
+                if isinstance(layer, _NormBase) and layer.track_running_stats
+                and training_flags.get(path, True)
+                for name, _ in layer.named_buffers(recurse=False)}
+
+
+def _check_broadcast_buffers_unwritten(state: DeviceState,
+                                       written: List[int], broadcast: bool,
+                                       statistics: Set[str]) -> None:
+    """Buffers broadcast to several replicas cannot be written by the
+    model's own code (PopTorch refuses them too); normalisation statistics
+    are kept per replica instead."""
+    names = [state.buffer_names[i] for i in written
+             if state.buffer_names[i] not in statistics]
+    if broadcast and names:
+        raise Error(
+            f"The model writes to its buffers during training "
+            f"({', '.join(names)}) and buffers are broadcast to several "
+            "replicas: a broadcast buffer cannot be written by the model. "
+            "Set options.broadcastBuffers(False) so that each replica "
+            "keeps its own buffers.")
 
 
 def _tensors(call: CallArguments) -> List[torch.Tensor]:
