@@ -26,7 +26,7 @@ from .enums import (CommGroupType, ConnectionType, HalfFloatCastingBehavior,
                     MeanReductionStrategy, OutputMode, ReductionType,
                     SyncPattern)
 from .errors import Error
-from ._impl import config_file
+from ._impl import config_file, strategies
 from ._impl.automatic_casting import DEFAULT_POLICY, Policy
 from ._impl.config_file import ConfigFileError
 from ._impl.logger import info_once
@@ -69,7 +69,8 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "appendToLocationExcludes": _SOURCE_LOCATIONS,
     "autoRoundNumIPUs": Effect(
         IMPLEMENTED, "blocks placed on a number of IPUs that is not a power "
-        "of 2 are accepted (the count is rounded up) instead of rejected"),
+        "of 2 are accepted (the count is rounded up) instead of rejected; "
+        "the IPU Model and connectionType(Never) accept any count"),
     "broadcastBuffers": Effect(
         IMPLEMENTED, "with False each replica keeps its own buffers"),
     "connectionType": Effect(
@@ -412,6 +413,8 @@ def _plain(value: Any) -> Any:
         return str(value)
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(item) for item in value), key=repr)
     if isinstance(value, dict):
         return {str(key): _plain(item) for key, item in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -799,7 +802,10 @@ class _TensorLocationOptions(_OptionsGroup):
                                     "accumulator_location", location)
 
 
-_POPART_VALUE_TYPES = (bool, int, float, str, list, tuple, dict)
+#: The value types PopART session options take: numbers, strings, booleans,
+#: collections of strings (lists, tuples, sets) and string maps.
+_POPART_VALUE_TYPES = (bool, int, float, str, list, tuple, set, frozenset,
+                       dict)
 
 
 class _PopartOptions(_OptionsGroup):
@@ -823,7 +829,8 @@ class _PopartOptions(_OptionsGroup):
         _check_str(f"{option} key", key)
         if not isinstance(value, _POPART_VALUE_TYPES):
             raise _invalid(f"{option} value for {key!r}",
-                           "a bool, int, float, str, list or dict", value)
+                           "a bool, int, float, str, list, tuple, set or "
+                           "dict", value)
         return self._store(option, options={**self.options, key: value})
 
     def setEngineOptions(self, engine_options: Dict[str, str]
@@ -1153,18 +1160,21 @@ class Options(_OptionsGroup):
                    output_return_period: Optional[int] = None) -> "Options":
         """Which data a call returns: ``All``, ``Sum``, ``Final``, ``EveryN``
         (every ``output_return_period`` iterations) or ``Default`` (``All``
-        for inference, ``Final`` for training)."""
+        for inference, ``Final`` for training). As in PopTorch, a period
+        given with another mode than ``EveryN`` is ignored (logged once)."""
         _check_enum("outputMode", output_mode, OutputMode)
+        period = 1
         if output_mode == OutputMode.EveryN:
             _check_int("outputMode output_return_period (with "
                        "OutputMode.EveryN)", output_return_period, minimum=1)
+            period = output_return_period
         elif output_return_period is not None:
-            raise Error(
-                "outputMode output_return_period is only used with "
-                f"OutputMode.EveryN; got {output_return_period!r} with "
-                f"{_readable(output_mode)}")
+            info_once(f"outputMode: output_return_period="
+                      f"{output_return_period!r} is ignored with "
+                      f"{_readable(output_mode)}; only OutputMode.EveryN "
+                      "uses a return period")
         return self._store("outputMode", output_mode=output_mode,
-                           output_return_period=output_return_period or 1)
+                           output_return_period=period)
 
     def defaultOutputMode(self) -> bool:
         """True while the output mode is ``OutputMode.Default``."""
@@ -1415,11 +1425,22 @@ class Options(_OptionsGroup):
         self._set_frozen(True)
 
 
+_PHASED_METHODS = frozenset({"setTensorsLiveness",
+                             "useSeparateBackwardPhase"})
+
 _VOCABULARY = config_file.Vocabulary(
     option_paths=frozenset(
         path for path in OPTION_EFFECTS
         if not path.startswith(("TensorLocationSettings.", "_"))),
-    settings_class=TensorLocationSettings,
-    settings_methods=frozenset(
-        path.split(".", 1)[1] for path in OPTION_EFFECTS
-        if path.startswith("TensorLocationSettings.")))
+    constructors={
+        TensorLocationSettings: frozenset(
+            path.split(".", 1)[1] for path in OPTION_EFFECTS
+            if path.startswith("TensorLocationSettings.")),
+        strategies.Stage: frozenset({"ipu"}),
+        strategies.Phase: frozenset({"ipus"}),
+        strategies.ShardedExecution: frozenset(),
+        strategies.PipelinedExecution: frozenset(),
+        strategies.SerialPhasedExecution: _PHASED_METHODS,
+        strategies.ParallelPhasedExecution: _PHASED_METHODS,
+    },
+    settings_class=TensorLocationSettings)

@@ -246,6 +246,45 @@ def test_async_iterable_without_drop_last_needs_rebatching():
                    mode=DataLoaderMode.Async)
 
 
+class ReadyBatches(IterableDataset):
+    """A stream of ready batches (the last one smaller), for
+    ``batch_size=None``."""
+
+    def __iter__(self):
+        return iter(torch.arange(10).split(4))
+
+
+@pytest.mark.parametrize("mode, drop_last", [
+    (DataLoaderMode.Async, False),
+    (DataLoaderMode.AsyncRebatched, True),
+    (DataLoaderMode.AsyncRebatched, False),
+])
+def test_async_without_batching_passes_ready_batches_through(
+        poptorch_log, mode, drop_last):
+    """With batch_size=None, as in Sync mode, each item the dataset yields
+    is one model call's data: nothing is batched, so nothing is dropped."""
+    arguments = dict(batch_size=None, drop_last=drop_last,
+                     async_options={"sharing_strategy": SharingStrategy.Fork})
+    sync = list(DataLoader(make_options(2), ReadyBatches(), **arguments))
+    loader = DataLoader(make_options(2), ReadyBatches(), mode=mode,
+                        **arguments)
+    assert loader.combinedBatchSize is None
+    assert_same_batches(cloned(loader), sync)
+    assert [len(batch) for batch in sync] == [4, 4, 2]
+    loader.terminate()
+    rebatching_ignored = "AsyncRebatched builds no batches" in \
+        poptorch_log.text
+    assert rebatching_ignored == (mode == DataLoaderMode.AsyncRebatched)
+
+
+def test_accessor_over_an_unbatched_sync_dataloader_needs_no_rebatching():
+    sync = DataLoader(make_options(), ReadyBatches(), batch_size=None,
+                      drop_last=False)
+    accessor = fork_accessor(sync)
+    assert_same_batches(cloned(accessor), list(sync))
+    accessor.terminate()
+
+
 def test_accessor_over_dataset_and_over_sync_dataloader():
     dataset = SampleDataset(9)
     with fork_accessor(dataset) as accessor:

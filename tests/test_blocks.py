@@ -142,6 +142,46 @@ def test_a_block_lasts_until_the_next_block_begins():
     assert block_of(graph, aten.exp.default) == ("head", 1)
 
 
+class WithFunctionBlock(torch.nn.Module):
+    """A model whose second block begins with a function, as PopTorch
+    allows: ``BeginBlock(function)`` returns a module calling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = BeginBlock(Encoder(), user_id=0, ipu_id=0)
+        self.squash = BeginBlock(torch.sigmoid, user_id=1, ipu_id=1)
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.exp(self.head(self.squash(self.encoder(x))))
+
+
+def test_begin_block_takes_a_function_and_an_integer_user_id():
+    model = WithFunctionBlock()
+    x = torch.randn(2, 3)
+    expected = torch.exp(model.head(torch.sigmoid(model.encoder(x))))
+    torch.testing.assert_close(model(x), expected)
+    assert "BeginBlock(user_id='1', ipu_id=1), sigmoid" in repr(model)
+    graph, records = capture(model, x)
+    blocks.propagate_block_annotations(graph.graph.nodes)
+    assert block_of(graph, aten.cos.default) == ("0", 0)
+    assert block_of(graph, aten.sigmoid.default) == ("1", 1)
+    assert block_of(graph, aten.exp.default) == ("1", 1)
+    assert records == [BlockRecord("0", 0, 0), BlockRecord("1", 1, 1)]
+
+
+def test_remove_blocks_removes_function_blocks_too():
+    model = WithFunctionBlock()
+    x = torch.randn(2, 3)
+    expected = model(x)
+    removeBlocks(model)
+    assert "BeginBlock" not in repr(model)
+    torch.testing.assert_close(model(x), expected)
+    graph, records = capture(model, x)
+    assert records == []
+    assert block_of(graph, aten.sigmoid.default) == (None, None)
+
+
 class Outer(torch.nn.Module):
     """A module whose middle layer is put in another block."""
 
@@ -423,11 +463,13 @@ def test_an_exception_in_a_block_module_closes_its_block():
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: Block(user_id=3), "Block: user_id must be a string"),
+    (lambda: Block(user_id=1.5), "Block: user_id must be a string .*, an "
+                                 "integer or None, not float 1.5"),
+    (lambda: Block(user_id=True), "Block: user_id must be a string"),
     (lambda: Block(ipu_id=-1), "Block: ipu_id must be a non-negative"),
     (lambda: Block(ipu_id=1.5), "Block: ipu_id must be a non-negative"),
-    (lambda: BeginBlock(lambda x: x), "BeginBlock: layer_to_call must be a "
-                                      "torch.nn.Module"),
+    (lambda: BeginBlock(3), "BeginBlock: layer_to_call must be a "
+                            "torch.nn.Module or a function, not int"),
     (lambda: BeginBlock(torch.nn.ReLU(), ipu_id=True),
      "BeginBlock: ipu_id must be"),
     (lambda: BlockFunction(ipu_id="x"), "BlockFunction: ipu_id must be"),

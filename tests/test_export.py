@@ -3,6 +3,7 @@
 identical results; files that do not fit raise poptorch.Error saying why."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -268,6 +269,20 @@ def test_save_needs_a_compiled_model_and_load_a_fresh_one(tmp_path):
     path = _exported(tmp_path, model, *make_images(4))
     with pytest.raises(poptorch.Error, match="already compiled"):
         model.loadExecutable(path)
+
+
+def test_exporting_to_a_directory_is_an_error_naming_it(tmp_path):
+    model = _inference()
+    quoted = re.escape(repr(str(tmp_path)))
+    with pytest.raises(poptorch.Error, match=f"compileAndExport: {quoted} "
+                       "is a directory"):
+        model.compileAndExport(str(tmp_path), *make_images(4))
+    assert not model.isCompiled()
+    model.compile(*make_images(4))
+    with pytest.raises(poptorch.Error, match=f"save: {quoted} is a "
+                       "directory"):
+        model.save(tmp_path)
+    assert os.listdir(tmp_path) == []
 
 
 def test_writing_leaves_no_temporary_files(tmp_path):

@@ -64,6 +64,55 @@ def test_ipu_count_must_be_a_power_of_two_unless_rounded():
                            options(1, 5, autoRoundNumIPUs=True))(x, y)
 
 
+def test_the_ipu_model_takes_any_ipu_count():
+    """PopTorch needs a power-of-2 IPU count only to acquire hardware: the
+    IPU Model runs three IPUs, computing what the plain model computes."""
+    net = Staged(ipus=[0, 1, 2])
+    x, y = make_data(2 * 3)
+    out, loss = poptorch.inferenceModel(net, options(3, useIpuModel=True))(
+        x, y)
+    expected = [net(*chunk) for chunk in zip(x.split(2), y.split(2))]
+    torch.testing.assert_close(out, torch.cat([e[0] for e in expected]))
+    torch.testing.assert_close(loss, torch.stack([e[1] for e in expected]))
+
+
+def test_a_never_connected_model_compiles_for_any_ipu_count():
+    model = poptorch.inferenceModel(
+        Staged(ipus=[0, 1, 2]),
+        options(3, connectionType=poptorch.ConnectionType.Never))
+    model.compile(*make_data(2 * 3))
+    assert model.isCompiled()
+
+
+class FunctionBlocks(torch.nn.Module):
+    """Staged's layers, with the second block begun by a function and the
+    blocks named by integers, as PopTorch allows."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = Staged().layers
+        poptorch.BeginBlock(self.layers[0], user_id=0, ipu_id=0)
+        self.squash = poptorch.BeginBlock(torch.tanh, user_id=1, ipu_id=1)
+
+    def forward(self, x, y):
+        x = torch.tanh(self.layers[0](x))
+        x = self.squash(self.layers[1](x))
+        x = torch.tanh(self.layers[2](x))
+        return x, torch.nn.functional.cross_entropy(x, y)
+
+
+def test_function_blocks_with_integer_ids_run_as_named_stages():
+    torch.manual_seed(0)
+    net = FunctionBlocks()
+    strategy = poptorch.ShardedExecution("0", "1")
+    x, y = make_data(2)
+    out, loss = poptorch.inferenceModel(
+        net, options(1, setExecutionStrategy=strategy))(x, y)
+    expected_out, expected_loss = Staged.forward(net, x, y)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(loss, expected_loss)
+
+
 def test_stage_ids_must_ascend_in_a_pipeline():
     x, y = make_data(2 * 5)
     with pytest.raises(poptorch.Error, match="AutoIncrement"):

@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 
+import poptorch
 from poptorch.enums import (CommGroupType, ConnectionType,
                             HalfFloatCastingBehavior, MeanReductionStrategy,
                             OutputMode, ReductionType, SyncPattern)
@@ -293,8 +294,6 @@ _INVALID_CALLS = [
      "output_return_period (with OutputMode.EveryN) must be an int >= 1, "
      "got None"),
     (lambda o: o.outputMode(OutputMode.EveryN, 0), ">= 1, got 0"),
-    (lambda o: o.outputMode(OutputMode.All, 3),
-     "output_return_period is only used with OutputMode.EveryN; got 3"),
     (lambda o: o.connectionType("Always"),
      "connectionType must be one of poptorch.ConnectionType.Always"),
     (lambda o: o.syncPattern(0), "syncPattern must be one of"),
@@ -356,7 +355,7 @@ _INVALID_CALLS = [
     (lambda o: o._Popart.set(3, True), "_Popart.set key must be a str, got 3"),
     (lambda o: o._Popart.set("outlineThreshold", None),
      "_Popart.set value for 'outlineThreshold' must be a bool, int, float, "
-     "str, list or dict, got None"),
+     "str, list, tuple, set or dict, got None"),
     (lambda o: o._Popart.setEngineOptions(["debug.instrument"]),
      "_Popart.setEngineOptions must be a dict with str keys"),
     (lambda o: o._Popart.setPatterns({"PreUniRepl": 1}),
@@ -382,6 +381,21 @@ def test_popart_options_accumulate_by_key():
     assert opts._Popart.options == {"outlineThreshold": 5.0,
                                     "autoRecomputation": 3}
     assert "outlineThreshold" in str(opts)
+
+
+def test_popart_options_take_every_value_type_popart_takes():
+    """Numbers, strings, booleans, collections of strings (lists, tuples,
+    sets) and string maps, as PopTorch passes them on to PopART."""
+    values = {"a": 4, "b": 0.5, "c": "ON", "d": True, "e": ["0", "1"],
+              "f": ("0",), "g": {"1", "0"}, "h": frozenset({"0"}),
+              "i": {"partialsType": "half"}}
+    opts = Options()
+    for key, value in values.items():
+        opts._Popart.set(key, value)
+    assert opts._Popart.options == values
+    assert json.loads(json.dumps(opts.toDict()))["_Popart"]["options"][
+        "g"] == ["0", "1"]
+    assert opts.clone().toDict() == opts.toDict()
 
 
 def test_enum_setters_accept_members():
@@ -633,6 +647,51 @@ def test_load_from_file_applies_each_line(tmp_path):
     assert opts.Distributed.processId == 1
 
 
+def test_load_from_file_ignores_whitespace_at_the_start_of_lines(tmp_path):
+    """PopTorch strips each line of an options file."""
+    config = tmp_path / "indented.conf"
+    config.write_text("  deviceIterations(4)\n"
+                      "\tTraining.gradientAccumulation(2)\n"
+                      "    # an indented comment\n"
+                      "  outputMode(poptorch.OutputMode.EveryN,\n"
+                      "             2)\n")
+    opts = Options().loadFromFile(config)
+    assert opts.device_iterations == 4
+    assert opts.Training.gradient_accumulation == 2
+    assert (opts.output_mode, opts.output_return_period) == (OutputMode.EveryN,
+                                                             2)
+
+
+@pytest.mark.parametrize("written, expected", [
+    ("poptorch.ShardedExecution()", poptorch.ShardedExecution()),
+    ("poptorch.PipelinedExecution()", poptorch.PipelinedExecution()),
+    ("poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement)",
+     poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement)),
+    ("poptorch.ShardedExecution('A', poptorch.Stage('B', 'C').ipu(1))",
+     poptorch.ShardedExecution("A", poptorch.Stage("B", "C").ipu(1))),
+    ("poptorch.SerialPhasedExecution(['A'], poptorch.Phase('B'))"
+     ".useSeparateBackwardPhase()",
+     poptorch.SerialPhasedExecution(["A"], poptorch.Phase("B"))
+     .useSeparateBackwardPhase()),
+    ("poptorch.ParallelPhasedExecution(poptorch.Phase(poptorch.Stage('A'), "
+     "poptorch.Stage('B')).ipus(0, 2), ['C'])"
+     ".setTensorsLiveness(poptorch.Liveness.OffChipAfterFwd)",
+     poptorch.ParallelPhasedExecution(
+         poptorch.Phase(poptorch.Stage("A"), poptorch.Stage("B")).ipus(0, 2),
+         ["C"]).setTensorsLiveness(poptorch.Liveness.OffChipAfterFwd)),
+])
+def test_load_from_file_builds_execution_strategies(tmp_path, written,
+                                                    expected):
+    config = tmp_path / "strategy.conf"
+    config.write_text(f"setExecutionStrategy({written})\n")
+    strategy = Options().loadFromFile(config).execution_strategy
+    assert type(strategy) is type(expected)
+    assert repr(strategy) == repr(expected)
+    for attribute in ("liveness", "separate_backward_phase"):
+        assert getattr(strategy, attribute, None) == \
+            getattr(expected, attribute, None)
+
+
 @pytest.mark.parametrize("line, reason", [
     ('__import__("os").system("touch {marker}")',
      "expected an option method"),
@@ -640,6 +699,12 @@ def test_load_from_file_applies_each_line(tmp_path):
      "private name '__import__'"),
     ('TensorLocations.setActivationLocation(os.system("touch {marker}"))',
      "unsupported call"),
+    ("setExecutionStrategy(poptorch.ShardedExecution().stage('A'))",
+     "unknown ShardedExecution method 'stage'"),
+    ("setExecutionStrategy(poptorch.Stage())",
+     "Stage needs at least one block id"),
+    ("setExecutionStrategy(poptorch.PipelinedExecution(mode=1))",
+     "unexpected keyword argument 'mode'"),
     ("import os", "expected one option call"),
     ("opts = deviceIterations(4)", "expected one option call"),
     ("deviceIterations(len([1, 2]))", "unsupported call"),

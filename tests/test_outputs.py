@@ -54,6 +54,24 @@ def test_inference_every_n_returns_iterations_n_minus_1_2n_minus_1(mlp):
     torch.testing.assert_close(model(x), torch.cat([outs[2], outs[5]]))
 
 
+@pytest.mark.parametrize("mode, kept", [
+    (poptorch.OutputMode.All, lambda outs: torch.cat(outs)),
+    (poptorch.OutputMode.Final, lambda outs: outs[-1]),
+    (poptorch.OutputMode.Sum, sum),
+])
+def test_a_return_period_is_ignored_by_modes_other_than_every_n(
+        mlp, poptorch_log, mode, kept):
+    """PopTorch accepts outputMode(mode, period) for every mode and only
+    EveryN uses the period (4 here does not divide the 3 iterations)."""
+    x, _ = make_data(2 * 3)
+    opts = options(3, outputMode=(mode, 4))
+    assert opts.output_return_period == 1
+    model = poptorch.inferenceModel(mlp, opts)
+    torch.testing.assert_close(model(x), kept(micro_outputs(mlp, x, 3, 1)))
+    assert f"output_return_period=4 is ignored with OutputMode.{mode.name}" \
+        in poptorch_log.text
+
+
 def test_training_default_returns_final_loss(mlp):
     x, y = make_data(2 * 3)
     model = poptorch.trainingModel(mlp, options(3),

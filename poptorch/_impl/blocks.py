@@ -35,7 +35,7 @@ appearance, as ``BlockRecord`` objects for the execution strategy to place.
 import dataclasses
 import functools
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, TypeVar
+from typing import Callable, Dict, Iterable, List, Optional, TypeVar, Union
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -63,10 +63,15 @@ class BlockRecord:
 
 
 def _check_user_id(kind: str, user_id) -> Optional[str]:
+    """The block id as a string: PopTorch also takes an integer id, which
+    stands for its decimal string (``Stage("1")`` names ``user_id=1``)."""
     if user_id is None or isinstance(user_id, str):
         return user_id
-    raise Error(f"{kind}: user_id must be a string (an f-string is fine) "
-                f"or None, not {type(user_id).__name__} {user_id!r}")
+    if isinstance(user_id, int) and not isinstance(user_id, bool):
+        return str(user_id)
+    raise Error(f"{kind}: user_id must be a string (an f-string is fine), "
+                f"an integer or None, not {type(user_id).__name__} "
+                f"{user_id!r}")
 
 
 def _check_ipu_id(kind: str, ipu_id) -> Optional[int]:
@@ -218,7 +223,7 @@ class Block:
     automatic id, "0", "1", ..., in order of appearance.
     """
 
-    def __init__(self, user_id: Optional[str] = None,
+    def __init__(self, user_id: Union[str, int, None] = None,
                  ipu_id: Optional[int] = None) -> None:
         self._scope = _BlockScope("Block", _check_user_id("Block", user_id),
                                   _check_ipu_id("Block", ipu_id))
@@ -255,6 +260,21 @@ def _extra_repr_with_block(module: torch.nn.Module) -> str:
     return f"{mark}, {own}" if own else mark
 
 
+class _CalledFunction(torch.nn.Module):
+    """A function given to ``BeginBlock``, as a module that can carry the
+    block's mark: calling it calls the function."""
+
+    def __init__(self, function: Callable) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return getattr(self.function, "__name__", repr(self.function))
+
+
 class _BeginBlockMark:
     """What BeginBlock attaches to a module: its scope and hook handles."""
 
@@ -263,8 +283,8 @@ class _BeginBlockMark:
         self.handles = handles
 
 
-def BeginBlock(layer_to_call: torch.nn.Module,
-               user_id: Optional[str] = None,
+def BeginBlock(layer_to_call: Union[torch.nn.Module, Callable],
+               user_id: Union[str, int, None] = None,
                ipu_id: Optional[int] = None) -> torch.nn.Module:
     """Define a block by marking an existing module, and return the module.
 
@@ -272,11 +292,17 @@ def BeginBlock(layer_to_call: torch.nn.Module,
     runs after it, until another block begins. Marking a module again
     replaces its mark. The module stays picklable and deep-copyable, its
     ``repr`` shows the mark, and ``removeBlocks`` takes the mark away.
+
+    As in PopTorch, ``layer_to_call`` may also be a function: the result is
+    then a new module calling it, which begins the block each time it is
+    called.
     """
     if not isinstance(layer_to_call, torch.nn.Module):
-        raise Error("BeginBlock: layer_to_call must be a torch.nn.Module, "
-                    f"not {type(layer_to_call).__name__}; use Block or "
-                    "BlockFunction for other code")
+        if not callable(layer_to_call):
+            raise Error("BeginBlock: layer_to_call must be a "
+                        "torch.nn.Module or a function, not "
+                        f"{type(layer_to_call).__name__}")
+        layer_to_call = _CalledFunction(layer_to_call)
     scope = _BlockScope("BeginBlock", _check_user_id("BeginBlock", user_id),
                         _check_ipu_id("BeginBlock", ipu_id))
     mark = getattr(layer_to_call, _BEGIN_BLOCK_ATTR, None)
@@ -310,7 +336,7 @@ def removeBlocks(module: torch.nn.Module) -> None:
         sub.__dict__.pop("extra_repr", None)
 
 
-def BlockFunction(user_id: Optional[str] = None,
+def BlockFunction(user_id: Union[str, int, None] = None,
                   ipu_id: Optional[int] = None
                   ) -> Callable[[Function], Function]:
     """A decorator running a function (or method) inside a block.

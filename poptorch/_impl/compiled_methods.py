@@ -33,6 +33,7 @@ class CompiledExecutionMethods:
         ``connectionType(ConnectionType.Never)`` / ``useOfflineIpuTarget``,
         which compile without running.
         """
+        export.check_destination(filename, "compileAndExport")
         if self.isCompiled():
             from .signature import CallArguments
             self._signature.check(
@@ -47,6 +48,7 @@ class CompiledExecutionMethods:
         ``compileAndExport``); ``save_rng_state`` also saves the random
         number generator's seed and state, which loading restores."""
         self._require_compiled("save")
+        export.check_destination(filename, "save")
         _check_bool("save export_model", export_model)
         _check_bool("save save_rng_state", save_rng_state)
         export.write(str(filename), self, export_model, save_rng_state)

@@ -9,11 +9,15 @@ written as in Python without the ``options.`` prefix::
     outputMode(poptorch.OutputMode.EveryN, 2)   # comments are allowed
     TensorLocations.setActivationLocation(
         poptorch.TensorLocationSettings().useOnChipStorage(False))
+    setExecutionStrategy(poptorch.ShardedExecution())
 
+As PopTorch strips each line, whitespace at the start of a line is ignored.
 The file is parsed with :mod:`ast` and never executed: only calls of known
 option methods are accepted, and their arguments may only be literals,
-``poptorch.<Enum>.<Member>``, ``torch.<dtype>`` or a
-``poptorch.TensorLocationSettings()`` chain of setter calls.
+``poptorch.<Enum>.<Member>``, ``torch.<dtype>`` or the construction of one
+of the vocabulary's classes (``poptorch.TensorLocationSettings()``, the
+execution strategies, ``poptorch.Stage(...)``, ``poptorch.Phase(...)``)
+followed by a chain of its allowed methods.
 
 ``POPTORCH_DEFAULT_OPTIONS`` holds a JSON object mapping option paths to
 values, for example ``{"deviceIterations": 4, "outputMode": ["EveryN", 2]}``.
@@ -30,6 +34,7 @@ import enum
 import inspect
 import json
 import os
+import re
 import typing
 from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Tuple
 
@@ -50,13 +55,15 @@ class Vocabulary(NamedTuple):
     """What option files and ``POPTORCH_DEFAULT_OPTIONS`` may use.
 
     ``option_paths``: callable option paths such as ``"deviceIterations"``
-    or ``"Training.gradientAccumulation"``; ``settings_class``: the class
-    written ``poptorch.<name>()`` in files (``TensorLocationSettings``);
-    ``settings_methods``: the setters that may be chained on it.
+    or ``"Training.gradientAccumulation"``; ``constructors``: the classes
+    files may build in an argument, written ``poptorch.<Class>(...)``, each
+    with the methods that may be chained on the object built;
+    ``settings_class``: the class a JSON object stands for in
+    ``POPTORCH_DEFAULT_OPTIONS`` (``TensorLocationSettings``).
     """
     option_paths: FrozenSet[str]
+    constructors: Dict[type, FrozenSet[str]]
     settings_class: type
-    settings_methods: FrozenSet[str]
 
 
 class OptionCall(NamedTuple):
@@ -93,6 +100,11 @@ def apply_calls(options: Any, calls: List[OptionCall]) -> None:
 
 # --- Config files ---
 
+#: Whitespace at the start of a line, which PopTorch strips from each line
+#: of an options file (continuation lines of a call may be indented too).
+_LEADING_WHITESPACE = re.compile(r"^[ \t\f]+", re.MULTILINE)
+
+
 def read_config_file(filepath: Any,
                      vocabulary: Vocabulary) -> List[OptionCall]:
     """Parse an options file into option calls without executing it."""
@@ -103,6 +115,7 @@ def read_config_file(filepath: Any,
     except OSError as error:
         raise ConfigFileError(
             f"Cannot read options file {path}: {error.strerror}") from error
+    source = _LEADING_WHITESPACE.sub("", source)
     lines = source.splitlines()
     try:
         module = ast.parse(source, filename=path)
@@ -201,7 +214,7 @@ def _value(node: ast.expr, vocabulary: Vocabulary) -> Any:
     if isinstance(node, ast.Attribute):
         return _named_constant(node)
     if isinstance(node, ast.Call):
-        return _settings_chain(node, vocabulary)
+        return _constructed(node, vocabulary)
     raise _Unsupported(f"unsupported argument {ast.unparse(node)!r}")
 
 
@@ -253,33 +266,44 @@ def _dtype(name: str) -> Any:
     return candidate if isinstance(candidate, torch.dtype) else None
 
 
-def _settings_chain(node: ast.Call, vocabulary: Vocabulary) -> Any:
-    """``poptorch.TensorLocationSettings(...).setter(...)...`` built by
-    calling the settings' own setters."""
+def _constructed(node: ast.Call, vocabulary: Vocabulary) -> Any:
+    """``poptorch.<Class>(...)`` followed by a chain of the methods allowed
+    on it, built by calling them."""
     chained = []
     while (isinstance(node.func, ast.Attribute)
            and isinstance(node.func.value, ast.Call)):
         chained.append(node)
         node = node.func.value
-    class_name = vocabulary.settings_class.__name__
-    if _dotted_name(node.func) != ["poptorch", class_name]:
-        raise _Unsupported(
-            f"unsupported call {ast.unparse(node)!r}: the only call allowed "
-            f"in an argument is poptorch.{class_name}()")
-    args, kwargs = _call_arguments(node, vocabulary)
-    if args:
-        raise _Unsupported(
-            f"poptorch.{class_name}() only takes keyword arguments")
-    settings = vocabulary.settings_class(**kwargs)
+    cls = _constructor(node, vocabulary)
+    built = _called(cls, node, vocabulary)
     for call in reversed(chained):
         method_name = call.func.attr
         _reject_private([method_name])
-        if method_name not in vocabulary.settings_methods:
+        if method_name not in vocabulary.constructors[cls]:
             raise _Unsupported(
-                f"unknown {class_name} method {method_name!r}")
-        args, kwargs = _call_arguments(call, vocabulary)
-        getattr(settings, method_name)(*args, **kwargs)
-    return settings
+                f"unknown {cls.__name__} method {method_name!r}")
+        _called(getattr(built, method_name), call, vocabulary)
+    return built
+
+
+def _constructor(node: ast.Call, vocabulary: Vocabulary) -> type:
+    """The vocabulary class that ``node`` calls as ``poptorch.<Class>``."""
+    classes = {cls.__name__: cls for cls in vocabulary.constructors}
+    parts = _dotted_name(node.func)
+    if len(parts) == 2 and parts[0] == "poptorch" and parts[1] in classes:
+        return classes[parts[1]]
+    allowed = ", ".join(f"poptorch.{name}()" for name in sorted(classes))
+    raise _Unsupported(f"unsupported call {ast.unparse(node)!r}: the calls "
+                       f"allowed in an argument are {allowed}")
+
+
+def _called(function: Callable[..., Any], call: ast.Call,
+            vocabulary: Vocabulary) -> Any:
+    args, kwargs = _call_arguments(call, vocabulary)
+    try:
+        return function(*args, **kwargs)
+    except TypeError as error:
+        raise _Unsupported(f"{ast.unparse(call.func)}(): {error}") from None
 
 
 # --- POPTORCH_DEFAULT_OPTIONS ---

@@ -9,7 +9,7 @@ separate partitions (``staged_execution.py``).
 """
 from typing import Dict, NamedTuple, Optional, Sequence
 
-from ..enums import AutoStage
+from ..enums import AutoStage, ConnectionType
 from ..errors import Error
 from .batching import BatchLayout
 from .blocks import BlockRecord
@@ -35,14 +35,23 @@ def check_execution_strategy(options, records: Sequence[BlockRecord],
     placements = strategy.resolve_blocks(records)
     stages = len({p.stage_id for p in placements.values()})
     ipus_per_replica = max(p.ipu_id for p in placements.values()) + 1
-    _check_device_count(ipus_per_replica, layout.replicas,
-                        options.auto_round_num_ipus)
+    if _reserves_ipus_by_count(options):
+        _check_device_count(ipus_per_replica, layout.replicas,
+                            options.auto_round_num_ipus)
     if isinstance(strategy, PipelinedExecution) and stages > 1:
         _check_pipeline_depth(stages, training, layout)
     if stages == 1:
         return None
     return StagePlan(strategy, placements)
 
+
+def _reserves_ipus_by_count(options) -> bool:
+    """Whether PopTorch would acquire IPU hardware for the model, whose
+    number of IPUs must then be a power of 2: not on the IPU Model
+    (``useIpuModel``), nor when it never attaches (``connectionType(Never)``,
+    ``useOfflineIpuTarget``: compilation only)."""
+    return not (options.use_ipu_model
+                or options.connection_type == ConnectionType.Never)
 
 
 def _check_device_count(ipus_per_replica: int, replicas: int,

@@ -388,6 +388,7 @@ def _check_poptorch_dataloader(dataset: Any,
                     f"{dataset.mode.name}); give it mode=DataLoaderMode.Sync "
                     "or iterate it directly")
     if (isinstance(dataset.dataset, IterableDataset) and not dataset.drop_last
+            and dataset.combinedBatchSize is not None
             and rebatched_size is None):
         raise Error("AsynchronousDataAccessor: a poptorch.DataLoader over an "
                     "IterableDataset with drop_last=False needs "

@@ -39,7 +39,8 @@ class DataLoader(torch.utils.data.DataLoader):
       processes in one step. ``None`` turns automatic batching off as in
       torch: each item of the dataset is passed on unchanged (it must
       already hold a whole model call's data) and ``combinedBatchSize`` is
-      ``None``.
+      ``None``. This holds in every mode: the asynchronous modes pass the
+      items on too (``AsyncRebatched`` then has no batches to build).
     * ``shuffle``: reshuffle every epoch. Outside a distributed run the
       order comes from torch's default generator (``torch.manual_seed``
       makes it reproducible) or from ``generator=`` in ``kwargs``.
@@ -347,12 +348,14 @@ def _plan_batches(mode: DataLoaderMode, dataset: Dataset,
     combined = _combined_batch_size(batch_size, batch_sampler,
                                     micro_batches_per_call)
     iterable = isinstance(dataset, IterableDataset)
-    rebatch = mode == DataLoaderMode.AsyncRebatched and iterable
-    if rebatch and combined is None:
-        raise Error("DataLoader: mode=DataLoaderMode.AsyncRebatched builds "
-                    "batches of combinedBatchSize samples and needs a "
-                    "batch_size (batch_size=None turns batching off)")
-    if mode == DataLoaderMode.Async and iterable and not drop_last:
+    rebatch = (mode == DataLoaderMode.AsyncRebatched and iterable
+               and combined is not None)
+    if mode == DataLoaderMode.AsyncRebatched and combined is None:
+        info_once("DataLoader: mode=DataLoaderMode.AsyncRebatched builds no "
+                  "batches when batching is off (batch_size=None): the "
+                  "dataset's items are passed on as in DataLoaderMode.Async")
+    if (mode == DataLoaderMode.Async and iterable and not drop_last
+            and combined is not None):
         raise Error("DataLoader: mode=DataLoaderMode.Async with an "
                     "IterableDataset and drop_last=False would give a "
                     "smaller batch at the end of every torch worker's "

@@ -106,6 +106,15 @@ def _optimizer_structure(executor) -> Optional[str]:
                                           key=lambda item: item[0])))
 
 
+def check_destination(filename: str, method: str) -> None:
+    """Raise ``poptorch.Error`` when ``filename`` cannot name the file to
+    write because it is a directory (before anything is compiled)."""
+    if os.path.isdir(filename):
+        raise Error(f"{method}: {str(filename)!r} is a directory; give the "
+                    "path of the file to write, for example "
+                    f"{os.path.join(filename, 'model.poptorch')!r}")
+
+
 def write(filename: str, executor, export_model: bool,
           save_rng_state: bool) -> None:
     """Write the compiled ``executor`` to ``filename``."""
