@@ -20,7 +20,16 @@ user can compare the two. ``loss_scaling`` has no effect on the host: the loss
 is scaled only inside a training model, whose gradients are unscaled before
 the update.
 
-An accumulation type of None means the parameter's dtype.
+Accumulation types (user guide, "Accumulation types"): ``accum_type`` is the
+dtype of the gradient accumulation buffer, ``velocity_accum_type`` (SGD) and
+``first_order_momentum_accum_type`` / ``second_order_momentum_accum_type``
+(Adam, AdamW, RMSprop, LAMB) the dtypes of the optimizer state. As in
+PopTorch, each defaults to torch.float32 (None means that default), whatever
+the parameters' dtype: a float16 model keeps float32 optimizer state and
+gradient sums, and each update is computed in float32 and rounded to the
+parameter's dtype. Pass ``torch.float16`` to halve the state's memory. A
+torch.optim optimizer given to a training model gets the same float32
+defaults.
 """
 import math
 from typing import Iterable, Optional, Tuple
@@ -35,9 +44,9 @@ __all__ = ["VariableAttributes", "SGD", "Adam", "AdamW", "RMSprop", "LAMB"]
 
 _ADAM_EXTRAS = {
     "loss_scaling": 1.0,
-    "accum_type": None,
-    "first_order_momentum_accum_type": None,
-    "second_order_momentum_accum_type": None,
+    "accum_type": torch.float32,
+    "first_order_momentum_accum_type": torch.float32,
+    "second_order_momentum_accum_type": torch.float32,
     "max_grad_norm": math.inf,
 }
 
@@ -50,7 +59,8 @@ class SGD(PoptorchOptimizer, torch.optim.SGD):
 
     * separate tensors (``use_combined_accum=False``, default): the velocity
       is a state tensor of dtype ``velocity_accum_type``; gradients are
-      accumulated in ``accum_type``; ``velocity_scaling`` is ignored;
+      accumulated in ``accum_type`` (both float32 by default);
+      ``velocity_scaling`` is ignored;
     * combined (``use_combined_accum=True``): the velocity is stored
       multiplied by ``velocity_scaling``, in the parameter's dtype, and
       divided by it when the parameters are updated; ``accum_type`` and
@@ -66,8 +76,8 @@ class SGD(PoptorchOptimizer, torch.optim.SGD):
         "loss_scaling": 1.0,
         "velocity_scaling": 1.0,
         "use_combined_accum": False,
-        "accum_type": None,
-        "velocity_accum_type": None,
+        "accum_type": torch.float32,
+        "velocity_accum_type": torch.float32,
         "max_grad_norm": math.inf,
     }
     variable_candidates = ("lr", "momentum", "dampening", "weight_decay",
@@ -103,8 +113,10 @@ class SGD(PoptorchOptimizer, torch.optim.SGD):
 
 class Adam(PoptorchOptimizer, torch.optim.Adam):
     """Adam, as torch.optim.Adam, with optional loss scaling, accumulation
-    types for the gradients and both moments, and gradient clipping
-    (``max_grad_norm``, default inf). AMSGrad is not supported."""
+    types for the gradients and both moments (``accum_type``,
+    ``first_order_momentum_accum_type``, ``second_order_momentum_accum_type``,
+    each float32 by default), and gradient clipping (``max_grad_norm``,
+    default inf). AMSGrad is not supported."""
 
     extra_defaults = dict(_ADAM_EXTRAS)
     variable_candidates = ("lr", "betas", "eps", "weight_decay", "maximize",
@@ -140,9 +152,9 @@ class Adam(PoptorchOptimizer, torch.optim.Adam):
 
 class AdamW(PoptorchOptimizer, torch.optim.AdamW):
     """Adam with decoupled weight decay, as torch.optim.AdamW, with optional
-    loss scaling, accumulation types and gradient clipping.
-    ``bias_correction=False`` drops Adam's bias corrections (default True).
-    AMSGrad is not supported."""
+    loss scaling, accumulation types (float32 by default) and gradient
+    clipping. ``bias_correction=False`` drops Adam's bias corrections
+    (default True). AMSGrad is not supported."""
 
     extra_defaults = dict(_ADAM_EXTRAS, bias_correction=True)
     variable_candidates = ("lr", "betas", "eps", "weight_decay", "maximize",
@@ -177,7 +189,10 @@ class AdamW(PoptorchOptimizer, torch.optim.AdamW):
 
 class RMSprop(PoptorchOptimizer, torch.optim.RMSprop):
     """RMSprop with optional L2 penalty, as torch.optim.RMSprop, with
-    optional loss scaling and accumulation types.
+    optional loss scaling and accumulation types (float32 by default:
+    ``second_order_momentum_accum_type`` for the average of squared
+    gradients, ``first_order_momentum_accum_type`` for the momentum buffer
+    and the centred average of gradients).
 
     ``use_tf_variant=True`` gives TensorFlow's variant instead: the average of
     squared gradients starts at ones, epsilon is added inside the square root,
@@ -186,9 +201,9 @@ class RMSprop(PoptorchOptimizer, torch.optim.RMSprop):
 
     extra_defaults = {
         "loss_scaling": 1.0,
-        "accum_type": None,
-        "first_order_momentum_accum_type": None,
-        "second_order_momentum_accum_type": None,
+        "accum_type": torch.float32,
+        "first_order_momentum_accum_type": torch.float32,
+        "second_order_momentum_accum_type": torch.float32,
         "use_tf_variant": False,
     }
     variable_candidates = ("lr", "alpha", "eps", "weight_decay", "momentum",
@@ -235,16 +250,16 @@ class LAMB(PoptorchOptimizer, torch.optim.Optimizer):
 
     Defaults: ``lr=1e-3``, ``betas=(0.9, 0.999)``, ``eps=1e-8``,
     ``weight_decay=1e-2``, ``bias_correction=False``, ``loss_scaling=1.0``,
-    ``max_weight_norm=None``.
+    ``max_weight_norm=None``, accumulation types ``torch.float32``.
     """
 
     extra_defaults = {
         "bias_correction": False,
         "loss_scaling": 1.0,
         "max_weight_norm": None,
-        "accum_type": None,
-        "first_order_momentum_accum_type": None,
-        "second_order_momentum_accum_type": None,
+        "accum_type": torch.float32,
+        "first_order_momentum_accum_type": torch.float32,
+        "second_order_momentum_accum_type": torch.float32,
     }
     variable_candidates = ("lr", "betas", "eps", "weight_decay",
                            "bias_correction", "loss_scaling", "max_weight_norm")

@@ -290,7 +290,7 @@ def test_plan_indices_follow_the_model_parameter_list():
     assert [g.indices for g in plan.groups] == [(2,), (0, 1)]
     assert [g.hyper["lr"] for g in plan.groups] == [0.1, 0.5]
     assert plan.loss_scaling == 1.0 and plan.max_grad_norm is None
-    assert plan.accum_dtype is None
+    assert plan.accum_dtype == torch.float32
 
 
 def test_plan_leaves_out_frozen_parameters_and_empty_groups():

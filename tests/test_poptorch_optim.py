@@ -131,7 +131,7 @@ def test_extra_attribute_defaults_are_readable():
     sgd = optim.SGD(params, lr=0.1)
     assert (sgd.loss_scaling, sgd.velocity_scaling, sgd.use_combined_accum,
             sgd.accum_type, sgd.velocity_accum_type, sgd.max_grad_norm) == \
-        (1.0, 1.0, False, None, None, math.inf)
+        (1.0, 1.0, False, torch.float32, torch.float32, math.inf)
     assert optim.AdamW(params).bias_correction is True
     assert optim.RMSprop(params).use_tf_variant is False
     adam = optim.Adam(params, first_order_momentum_accum_type=torch.float16)
@@ -192,7 +192,7 @@ def test_mark_as_constant_and_variable_change_the_plan_constants():
     constants = plan_optimizer(optimizer, params).constant_attrs
     assert constants["lr"] == (0.01,) and constants["weight_decay"] == (0.1,)
     assert "eps" not in constants
-    assert constants["first_order_momentum_accum_type"] == (None,)
+    assert constants["first_order_momentum_accum_type"] == (torch.float32,)
 
 
 def test_unknown_attribute_is_a_clear_error():

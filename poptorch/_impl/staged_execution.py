@@ -107,9 +107,8 @@ def _combines_gradients(settings: StepSettings,
     than the parameters', or as a running mean) rather than autograd's
     sum in ``.grad``."""
     gradients = settings.gradients
-    return gradients.keeps_running_mean or (
-        gradients.accum_dtype is not None
-        and any(p.dtype != gradients.accum_dtype for p in params))
+    return gradients.keeps_running_mean or any(
+        p.dtype != gradients.buffer_dtype(p) for p in params)
 
 
 class StagedExecution:

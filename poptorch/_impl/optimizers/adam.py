@@ -5,15 +5,16 @@ AdamW is Adam with decoupled weight decay (the params are multiplied by
 bias corrections (``bias_correction=False``). ``amsgrad`` is supported for
 torch.optim objects (poptorch.optim refuses it, as the spec says).
 """
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 from torch import Tensor
 
-from .rule import (add_scalar, in_dtype_of, is_zero_constant, sub_scaled, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
-                   decay_average, dtypes_of, lerp, per_param,
+from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
+                   add_scalar, add_scaled, cast, compute_dtypes, decay_average,
+                   dtypes_of, in_dtype_of, is_zero_constant, lerp, per_param,
                    sorted_constants, stacked, started_state, state_tensors,
-                   step_tensors)
+                   step_tensors, sub_scaled)
 
 
 def first_and_second_moments(grads: List[Tensor], exp_avg: List[Tensor],
@@ -39,8 +40,8 @@ class AdamRule(UpdateRule):
 
     def __init__(self, *, decoupled_weight_decay: bool, amsgrad: bool,
                  maximize: bool, bias_correction: bool = True,
-                 first_order_dtype: Optional[torch.dtype] = None,
-                 second_order_dtype: Optional[torch.dtype] = None) -> None:
+                 first_order_dtype: torch.dtype = DEFAULT_ACCUM_TYPE,
+                 second_order_dtype: torch.dtype = DEFAULT_ACCUM_TYPE) -> None:
         self.decoupled_weight_decay = decoupled_weight_decay
         self.amsgrad = amsgrad
         self.maximize = maximize
@@ -61,7 +62,7 @@ class AdamRule(UpdateRule):
                 "beta2": float(beta2), "eps": float(group["eps"]),
                 "weight_decay": float(group["weight_decay"])}
 
-    def _state_dtype(self, name: str) -> Optional[torch.dtype]:
+    def _state_dtype(self, name: str) -> torch.dtype:
         return self.first_order_dtype if name == "exp_avg" else self.second_order_dtype
 
     def init_state(self, params: List[Tensor],
@@ -132,5 +133,7 @@ def rule_for_group(group: Mapping[str, Any]) -> AdamRule:
         amsgrad=bool(group.get("amsgrad", False)),
         maximize=bool(group.get("maximize", False)),
         bias_correction=bool(group.get("bias_correction", True)),
-        first_order_dtype=group.get("first_order_momentum_accum_type"),
-        second_order_dtype=group.get("second_order_momentum_accum_type"))
+        first_order_dtype=accum_type_of(
+            group, "first_order_momentum_accum_type"),
+        second_order_dtype=accum_type_of(
+            group, "second_order_momentum_accum_type"))

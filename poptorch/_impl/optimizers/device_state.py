@@ -33,6 +33,13 @@ A torch.optim optimizer keeps torch's own ``state_dict()``: state dict hooks
 copy the device state into its ``state`` first, and ``load_state_dict()``
 puts the loaded ``state`` on the device, so checkpoints of torch.optim
 optimizers hold (and restore) the trained state.
+
+The state keeps its accumulation types (float32 by default, also for float16
+parameters). torch's ``load_state_dict()`` casts each loaded state tensor to
+its parameter's dtype; for optimizers of training models (and all
+poptorch.optim optimizers) that cast is undone, so that a float16 model's
+checkpoint resumes exactly. (torch's own host ``step()`` may refuse float32
+state for a float16 parameter: torch.optim.Adam's does.)
 """
 import dataclasses
 import math
@@ -51,6 +58,7 @@ FORMAT_VERSION = 1
 _MODEL = "_poptorch_training_model"
 _SAVED = "_poptorch_saved_state"
 _HOOKED = "_poptorch_state_hooks"
+_LOADING = "_poptorch_loading_state"
 
 ParamState = Dict[str, Tensor]
 
@@ -215,6 +223,22 @@ def _to_host(state: Mapping[str, Tensor], param: Tensor) -> ParamState:
             for name, value in state.items()}
 
 
+def _keep_loaded_dtypes(optimizer: torch.optim.Optimizer,
+                       state_dict: Mapping[str, Any]) -> None:
+    """After torch's ``load_state_dict(state_dict)``: give back their loaded
+    dtype to the state tensors that torch cast to their parameter's dtype."""
+    saved_ids = [i for group in state_dict["param_groups"]
+                 for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for saved_id, param in zip(saved_ids, params):
+        state = optimizer.state.get(param, {})
+        for name, value in state_dict["state"].get(saved_id, {}).items():
+            cast_value = state.get(name)
+            if (isinstance(value, Tensor) and isinstance(cast_value, Tensor)
+                    and value.dtype != cast_value.dtype == param.dtype):
+                state[name] = value.detach().to(cast_value.device, copy=True)
+
+
 def _param_indices(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
     """torch's state-dict index of each parameter (by ``id``)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -247,6 +271,7 @@ def link(optimizer: torch.optim.Optimizer, model: Any) -> None:
     if (type(optimizer).state_dict is torch.optim.Optimizer.state_dict
             and not optimizer.__dict__.get(_HOOKED)):
         optimizer.register_state_dict_pre_hook(_device_state_to_host)
+        optimizer.register_load_state_dict_pre_hook(_remember_loaded_state)
         optimizer.register_load_state_dict_post_hook(_host_state_to_device)
         optimizer.__dict__[_HOOKED] = True
 
@@ -259,10 +284,19 @@ def _device_state_to_host(optimizer: torch.optim.Optimizer) -> None:
         device.store_on_optimizer(optimizer)
 
 
+def _remember_loaded_state(optimizer: torch.optim.Optimizer,
+                           state_dict: Dict[str, Any]) -> None:
+    """Before a torch.optim optimizer's ``load_state_dict()``: keep the
+    state dict, whose dtypes torch's loading does not keep."""
+    optimizer.__dict__[_LOADING] = state_dict
+
+
 def _host_state_to_device(optimizer: torch.optim.Optimizer) -> None:
     """After a torch.optim optimizer's ``load_state_dict()``: its new
-    ``optimizer.state`` becomes the compiled training model's state from
-    the next call (a model compiled later reads it when it compiles)."""
+    ``optimizer.state``, in the loaded dtypes, becomes the compiled training
+    model's state from the next call (a model compiled later reads it when
+    it compiles)."""
+    _keep_loaded_dtypes(optimizer, optimizer.__dict__.pop(_LOADING))
     device = _compiled_state(linked_model(optimizer))
     if device is not None:
         states = [optimizer.state.get(p, {}) for p in device.host_params]
@@ -318,6 +352,7 @@ def load_state_dict(optimizer: torch.optim.Optimizer,
         state_dict, Mapping) else None
     if model is None and extras is None:
         torch_load(state_dict)
+        _keep_loaded_dtypes(optimizer, state_dict)
         return
     _check_state_dict(optimizer, state_dict)
     torch_part = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
@@ -331,6 +366,7 @@ def load_state_dict(optimizer: torch.optim.Optimizer,
     backup = (optimizer.param_groups, optimizer.state)
     try:
         torch_load(torch_part)
+        _keep_loaded_dtypes(optimizer, torch_part)
         if model is not None:
             model.setOptimizer(optimizer)
     except Exception:

@@ -3,8 +3,10 @@ combined (``Training.accumulationAndReplicationReductionType``,
 ``Training.setMeanAccumulationAndReplicationReductionStrategy`` and the
 optimizers' ``accum_type``).
 
-The running gradient buffer has the dtype ``accum_type`` (the parameter's
-dtype when None); each micro-batch's gradients are cast to it when added.
+The running gradient buffer has the dtype ``accum_type``: float32 unless
+the optimizer sets another, whatever the parameter's dtype (PopTorch's
+default), or the parameter's dtype for SGD's combined variant; each
+micro-batch's gradients are cast to it when added.
 ``ReductionType.Sum`` keeps the sum. ``ReductionType.Mean`` divides by the
 number of micro-batches, when the ``MeanReductionStrategy`` says:
 
@@ -45,6 +47,7 @@ class GradientReduction:
     reduction: ReductionType
     strategy: MeanReductionStrategy
     accum_dtype: Optional[torch.dtype]   # None: each parameter's dtype
+                                         # (SGD's combined variant)
 
     @staticmethod
     def build(training_options, accumulation: int, replicas: int,
@@ -95,8 +98,12 @@ class GradientReduction:
         return 1.0
 
     def buffer_dtype(self, param: Tensor) -> torch.dtype:
-        """The dtype ``param``'s gradients are combined in."""
-        return param.dtype if self.accum_dtype is None else self.accum_dtype
+        """The dtype ``param``'s gradients are combined in: the accumulation
+        type, or the param's for SGD's combined variant (None) and for
+        float64 params, which keep float64 gradients."""
+        if self.accum_dtype is None or param.dtype == torch.float64:
+            return param.dtype
+        return self.accum_dtype
 
     def start(self, params: List[Tensor]) -> List[Tensor]:
         """The buffer before a step's first micro-batch: zeros in the

@@ -14,15 +14,16 @@ with ``phi(z) = min(z, max_weight_norm)`` (no clamping when
 PopTorch's default is the biased version (no bias correction).
 """
 import functools
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 from torch import Tensor
 
 from .adam import bias_corrections, first_and_second_moments
-from .rule import (TorchState, add_scalar, UpdateRule, add_scaled, cast, compute_dtypes,
-                   dtypes_of, per_param, sorted_constants,
-                   stacked, started_state, state_tensors, step_tensors)
+from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
+                   add_scalar, add_scaled, cast, compute_dtypes, dtypes_of,
+                   per_param, sorted_constants, stacked, started_state,
+                   state_tensors, step_tensors)
 
 
 class LAMBRule(UpdateRule):
@@ -31,8 +32,8 @@ class LAMBRule(UpdateRule):
     state_names = ("exp_avg", "exp_avg_sq", "step")
 
     def __init__(self, *, bias_correction: bool, clamp_weight_norm: bool,
-                 first_order_dtype: Optional[torch.dtype] = None,
-                 second_order_dtype: Optional[torch.dtype] = None) -> None:
+                 first_order_dtype: torch.dtype = DEFAULT_ACCUM_TYPE,
+                 second_order_dtype: torch.dtype = DEFAULT_ACCUM_TYPE) -> None:
         self.bias_correction = bias_correction
         self.clamp_weight_norm = clamp_weight_norm
         self.first_order_dtype = first_order_dtype
@@ -118,5 +119,7 @@ def rule_for_group(group: Mapping[str, Any]) -> LAMBRule:
     return LAMBRule(
         bias_correction=bool(group["bias_correction"]),
         clamp_weight_norm=group["max_weight_norm"] is not None,
-        first_order_dtype=group.get("first_order_momentum_accum_type"),
-        second_order_dtype=group.get("second_order_momentum_accum_type"))
+        first_order_dtype=accum_type_of(
+            group, "first_order_momentum_accum_type"),
+        second_order_dtype=accum_type_of(
+            group, "second_order_momentum_accum_type"))

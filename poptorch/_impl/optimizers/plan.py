@@ -31,7 +31,7 @@ from ...errors import Error
 from ..logger import warn_once
 from . import adam, lamb, rmsprop, sgd
 from .poptorch_optimizer import PoptorchOptimizer
-from .rule import UpdateRule
+from .rule import UpdateRule, accum_type_of
 
 RuleFactory = Callable[[Mapping[str, Any]], UpdateRule]
 
@@ -176,12 +176,13 @@ def _check_learning_rate(group: Mapping[str, Any], group_index: int) -> None:
 
 
 def _accum_dtype(optimizer: torch.optim.Optimizer) -> Optional[torch.dtype]:
-    """The gradient accumulation dtype: ``accum_type``, which SGD's combined
-    variant ignores (its velocity tensor is the accumulator)."""
+    """The gradient accumulation dtype: ``accum_type`` (float32 when None or
+    absent, as PopTorch), which SGD's combined variant ignores (its velocity
+    tensor is the accumulator, in the parameters' dtype: None)."""
     groups = optimizer.param_groups
     combined = any(group.get("use_combined_accum") and group["momentum"] != 0
                    for group in groups)
-    return None if combined else groups[0].get("accum_type")
+    return None if combined else accum_type_of(groups[0], "accum_type")
 
 
 def _plain(value: Any) -> Any:

@@ -13,7 +13,7 @@ from ...errors import Error
 from . import device_state
 from .rule import UpdateRule, clip_grad_norm
 
-#: dtypes accepted for the accumulation-type attributes (None: the param's).
+#: dtypes accepted for the accumulation-type attributes (None: float32).
 ACCUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: Extra attributes whose value may differ between param groups.

@@ -6,13 +6,14 @@ the square root, and the learning rate is folded into the momentum buffer
 (``buf = momentum * buf + lr * g / avg``; ``w -= buf``). Its exported
 ``momentum_buffer`` therefore includes the learning rate.
 """
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 from torch import Tensor
 
-from .rule import (add_scalar, in_dtype_of, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
-                   decay_average, dtypes_of, lerp, sorted_constants,
+from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
+                   add_scalar, add_scaled, cast, compute_dtypes, decay_average,
+                   dtypes_of, in_dtype_of, lerp, sorted_constants,
                    started_state, state_tensors, step_tensors, sub_scaled)
 
 
@@ -22,8 +23,8 @@ class RMSpropRule(UpdateRule):
 
     def __init__(self, *, centered: bool, momentum: bool, maximize: bool,
                  tf_variant: bool = False,
-                 first_order_dtype: Optional[torch.dtype] = None,
-                 second_order_dtype: Optional[torch.dtype] = None) -> None:
+                 first_order_dtype: torch.dtype = DEFAULT_ACCUM_TYPE,
+                 second_order_dtype: torch.dtype = DEFAULT_ACCUM_TYPE) -> None:
         self.centered = centered
         self.momentum = momentum
         self.maximize = maximize
@@ -47,7 +48,7 @@ class RMSpropRule(UpdateRule):
             values["momentum"] = float(group["momentum"])
         return values
 
-    def _state_dtype(self, name: str) -> Optional[torch.dtype]:
+    def _state_dtype(self, name: str) -> torch.dtype:
         return (self.second_order_dtype if name == "square_avg"
                 else self.first_order_dtype)
 
@@ -119,5 +120,7 @@ def rule_for_group(group: Mapping[str, Any]) -> RMSpropRule:
         centered=bool(group["centered"]), momentum=group["momentum"] > 0,
         maximize=bool(group.get("maximize", False)),
         tf_variant=bool(group.get("use_tf_variant", False)),
-        first_order_dtype=group.get("first_order_momentum_accum_type"),
-        second_order_dtype=group.get("second_order_momentum_accum_type"))
+        first_order_dtype=accum_type_of(
+            group, "first_order_momentum_accum_type"),
+        second_order_dtype=accum_type_of(
+            group, "second_order_momentum_accum_type"))

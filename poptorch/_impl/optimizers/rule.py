@@ -14,9 +14,20 @@ the hyper-parameter tensors live on that device too or are CPU scalars.
 
 Hyper-parameter tensors may be float32 or float64; the per-step scalar maths
 (``1 - beta``, bias corrections, step sizes) is done in their dtype and the
-tensor maths in the params' dtype. torch.optim does the scalar maths in Python
-(double precision): float64 hyper-parameters reproduce it to rounding, while
-float32 ones shift values such as ``1 - 0.999`` by about 1e-5 relative.
+tensor maths in the widest dtype of each param, its gradient and its state;
+the new param is cast back to the param's dtype and the new state to the
+state's. torch.optim does the scalar maths in Python (double precision):
+float64 hyper-parameters reproduce it to rounding, while float32 ones shift
+values such as ``1 - 0.999`` by about 1e-5 relative.
+
+State dtypes follow PopTorch: each state tensor has the dtype of its
+accumulation type (``velocity_accum_type``,
+``first_order_momentum_accum_type``, ``second_order_momentum_accum_type``),
+float32 when the optimizer leaves it None or has no such attribute (a
+torch.optim optimizer), whatever the params' dtype. So a float16 model keeps
+float32 optimizer state, and its update is computed in float32 and rounded
+to float16 once, as PopART does. float64 params (which IPUs never had) are
+the exception: their state stays float64, never narrowed.
 """
 import abc
 import functools
@@ -82,9 +93,24 @@ def sorted_constants(**settings: Any) -> Tuple[Tuple[str, Any], ...]:
 
 # State creation -------------------------------------------------------------
 
+#: PopTorch's accumulation type where an optimizer leaves it open.
+DEFAULT_ACCUM_TYPE = torch.float32
+
+
+def accum_type_of(group: Mapping[str, Any], name: str) -> torch.dtype:
+    """The accumulation type attribute ``name`` of a param group: its value,
+    or PopTorch's default float32 when it is None or absent (torch.optim)."""
+    value = group.get(name)
+    return DEFAULT_ACCUM_TYPE if value is None else value
+
+
 def storage_dtype(param: Tensor, accum_type: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype of a state tensor: the accumulation type, or the param's."""
-    return param.dtype if accum_type is None else accum_type
+    """The dtype of a state tensor: the accumulation type, or the param's
+    when None (SGD's combined velocity, which has no accumulation type).
+    float64 params, which IPUs never had, keep float64 state."""
+    if accum_type is None or param.dtype == torch.float64:
+        return param.dtype
+    return accum_type
 
 
 def state_tensors(name: str, params: Sequence[Tensor],

@@ -4,7 +4,8 @@ PopTorch's two momentum variants compute torch's maths and differ in how
 the velocity is stored:
 
 * separate tensors (default): the velocity is kept as is, in
-  ``velocity_accum_type``;
+  ``velocity_accum_type`` (float32 by default, whatever the parameter's
+  dtype);
 * combined (``use_combined_accum=True``): the velocity is kept multiplied by
   ``velocity_scaling`` in the parameter's dtype, and divided by it when the
   parameters are updated. The scale in use is kept per parameter, so a new
@@ -13,13 +14,14 @@ the velocity is stored:
 
 With ``momentum == 0`` there is no state and the variant settings are ignored.
 """
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 from torch import Tensor
 
-from .rule import (in_dtype_of, is_zero_constant, TorchState, UpdateRule, add_scaled, cast, compute_dtypes,
-                   dtypes_of, has_started, per_param, sorted_constants,
+from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
+                   add_scaled, cast, compute_dtypes, dtypes_of, has_started,
+                   in_dtype_of, is_zero_constant, per_param, sorted_constants,
                    stacked, state_tensors, step_tensors, sub_scaled)
 
 _VELOCITY = "momentum_buffer"
@@ -33,7 +35,7 @@ class SGDRule(UpdateRule):
 
     def __init__(self, *, momentum: bool, nesterov: bool, maximize: bool,
                  combined: bool = False,
-                 velocity_dtype: Optional[torch.dtype] = None) -> None:
+                 velocity_dtype: torch.dtype = DEFAULT_ACCUM_TYPE) -> None:
         self.momentum = momentum
         self.nesterov = nesterov and momentum
         self.maximize = maximize
@@ -183,4 +185,4 @@ def rule_for_group(group: Mapping[str, Any]) -> SGDRule:
                    nesterov=bool(group["nesterov"]),
                    maximize=bool(group.get("maximize", False)),
                    combined=bool(group.get("use_combined_accum", False)),
-                   velocity_dtype=group.get("velocity_accum_type"))
+                   velocity_dtype=accum_type_of(group, "velocity_accum_type"))
