@@ -95,8 +95,9 @@ class CompileSession:
         self.options = compile_time_options(options)
         cache_dir = options.executable_cache_dir
         self.cache = ExecutableCache(cache_dir) if cache_dir else None
-        self.anchors = Anchors(options.anchored_tensors,
-                               options.module_namescope)
+        self.anchors = Anchors(
+            options.anchored_tensors, options.module_namescope,
+            options.Training.gradient_accumulation if training else 1)
         if self.anchors and options.replication_factor > 1:
             raise Error("anchorTensor: anchored tensors are only available "
                         "with replicationFactor(1), got "

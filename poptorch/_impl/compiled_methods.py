@@ -77,9 +77,11 @@ class CompiledExecutionMethods:
     # --- tensor names and anchors -------------------------------------------
     def getTensorNames(self) -> List[str]:
         """The names of the tensors the compiled graph computes (see
-        ``names.py`` for the naming scheme); for a training model, those
-        of the step that applies the optimizer update (of the forward pass
-        when the model's blocks form several stages)."""
+        ``names.py`` for the naming scheme): the parameters and, for a
+        training model, their ``Gradient___``, ``UpdatedVar___`` and
+        optimizer-state names, then the operations' tensors of the step
+        that applies the optimizer update (of the forward pass when the
+        model's blocks form several stages)."""
         self._require_compiled("getTensorNames")
         if self._staged is not None:
             graph = self._staged.forward_graph

@@ -30,6 +30,7 @@ from .device_state import DeviceState
 from .devices import select_device
 from .half_casting import target_dtype
 from .logger import info_once, logger, warn_once
+from .names import mark_parameters
 from .optimizers import device_state as optimizer_state_dict
 from .optimizers.device_state import OptimizerDeviceState
 from .optimizers.global_attributes import GlobalAttributes
@@ -255,7 +256,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         graph, example = self._replicas.trace_inference(
             model_call, state.params, state.buffers, inputs,
             self._training_flags)
-        graph = self._session.graph("inference", graph)
+        graph = self._session.graph(
+            "inference", mark_parameters(graph, state.param_names))
         self._steps = device_loop.InferenceSteps(
             self._session.compile("inference", graph),
             analysis.written_buffers)

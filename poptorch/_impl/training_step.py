@@ -10,7 +10,9 @@ optimizer-wide ``loss_scaling`` / ``max_grad_norm``), the running gradient
 buffer (accumulating variants only), the micro-batch.
 Outputs: new trainable parameters, written buffers, new optimizer state and the
 model's output tensors — or, for the accumulate variant, written buffers, the
-new gradient buffer and the outputs.
+new gradient buffer and the outputs. Both graphs carry PopART's names of the
+parameters, the applied gradients, the updated parameters and the optimizer
+state (``names.py``), which the update step computes.
 
 The gradients of the G x R micro-batches of one optimizer step are combined
 in a buffer of the optimizer's ``accum_type`` and reduced per
@@ -31,6 +33,8 @@ from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace, trace_user_code)
 from .distributed.gradients import start_all_reduces_early
+from .names import (gradient_name, mark_named_tensors, optimizer_state_name,
+                    updated_name)
 from .optimizers.global_attributes import (GlobalAttributes,
                                           PartialGradients, StepScaling)
 from .optimizers.gradient_reduction import GradientReduction
@@ -226,13 +230,15 @@ def apply_rules(layout: TrainingLayout, params: List[torch.Tensor],
 
 def _apply_update(layout: TrainingLayout, settings: StepSettings,
                   scaling: StepScaling, trainable, grads, state, hyper):
+    """New params, new optimizer state and the gradients the rules applied
+    (reduced, unscaled and clipped)."""
     grads = scaling.unscale(grads, settings.gradients.divisor())
     finite = scaling.finite(grads)
     grads = scaling.clip(grads)
     new_params, new_state = apply_rules(layout, trainable, grads, state,
                                         hyper)
-    return scaling.finish(finite, trainable, new_params,
-                          state[:layout.state_size()], new_state)
+    return (*scaling.finish(finite, trainable, new_params,
+                            state[:layout.state_size()], new_state), grads)
 
 
 def micro_batch_forward(call: ModelCall, analysis: ModelAnalysis,
@@ -248,6 +254,20 @@ def micro_batch_forward(call: ModelCall, analysis: ModelAnalysis,
     value = loss if loss.dim() == 0 else loss.sum()
     return (value, tensor_outputs(output),
             [buffers[i] for i in analysis.written_buffers])
+
+
+def _gradients(loss: torch.Tensor, trainable: List[torch.Tensor]
+               ) -> List[torch.Tensor]:
+    """The gradients of ``loss`` for the ``trainable`` parameters (zeros for
+    those it does not use). With nothing to train (every parameter frozen,
+    none in the optimizer or none reaching the loss) there are none: the
+    step runs the forward pass, writes the buffers and returns the outputs,
+    as PyTorch's ``backward()`` would leave no gradient to apply."""
+    if not trainable:
+        return []
+    grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g
+            for p, g in zip(trainable, grads)]
 
 
 def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
@@ -285,9 +305,7 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             value, outputs, written = forward(params, buffers, inputs)
             value = scaling.scale_loss(value,
                                        settings.gradients.loss_factor())
-            grads = torch.autograd.grad(value, trainable, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g
-                 for p, g in zip(trainable, grads)]
+            grads = _gradients(value, trainable)
         outputs = [t.detach() for t in outputs]
         trainable = [t.detach() for t in trainable]
         if accumulated:
@@ -297,18 +315,66 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
         grads = settings.gradients.gradients(grads)
         if reduce_gradients is not None:
             grads = reduce_gradients(grads)
-        new_params, new_state = _apply_update(
+        new_params, new_state, applied = _apply_update(
             layout, settings, scaling, trainable, grads, state, hyper)
-        return new_params + written + new_state + outputs
+        return new_params + written + new_state + outputs + applied
 
     flat = (example["trainable"] + example["frozen"] + example["buffers"] +
             example["state"] + example["hyper"] + running + example["inputs"])
     with capture_scope(call.module, training_flags):
         graph = trace_user_code(step, flat)
+    _name_tensors(graph, call.param_names, layout,
+                  len(analysis.written_buffers), update)
     if reduce_gradients is not None:
         start_all_reduces_early(graph.graph)
         graph.recompile()
     return graph
+
+
+def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],
+                  layout: TrainingLayout, written: int, update: bool) -> None:
+    """Mark PopART's names of the step's parameters (its first inputs:
+    trainable, then frozen) and, for the trainable ones, of the gradients
+    the optimizer applies (the update step's last outputs, taken off here),
+    the updated values (its first outputs) and the optimizer state after the
+    update (after the ``written`` buffers). The step that only accumulates
+    gradients has the names, without values (``names.py``)."""
+    trainable = [param_names[i] for i in layout.trainable]
+    params = trainable + [param_names[i] for i in layout.frozen]
+    inputs, gradients, updated = ([None] * len(params),
+                                  [None] * len(trainable),
+                                  [None] * len(trainable))
+    state = [None] * layout.state_size()
+    if update:
+        gradients = _take_last_outputs(graph, len(trainable))
+        inputs = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        outputs = graph.graph.output_node().args[0]
+        updated = outputs[:len(trainable)]
+        start = len(trainable) + written
+        state = outputs[start:start + layout.state_size()]
+    named = dict(zip(params, inputs))
+    named.update(zip(map(gradient_name, trainable), gradients))
+    named.update(zip(map(updated_name, trainable), updated))
+    for group, group_state in zip(layout.groups,
+                                  layout.unflatten_state(state)):
+        for state_name, nodes in group_state.items():
+            for position, node in zip(group.positions, nodes):
+                name = optimizer_state_name(group.rule, state_name,
+                                            trainable[position])
+                if name is not None:
+                    named[name] = node
+    mark_named_tensors(graph, named)
+
+
+def _take_last_outputs(graph: torch.fx.GraphModule,
+                       count: int) -> List[torch.fx.Node]:
+    """Remove the last ``count`` outputs of ``graph`` and return them."""
+    output = graph.graph.output_node()
+    values = list(output.args[0])
+    cut = len(values) - count
+    output.args = (values[:cut],)
+    graph.recompile()
+    return values[cut:]
 
 
 def step_donation(example: Dict[str, List[torch.Tensor]], running: int,
@@ -353,8 +419,8 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
         scaling = settings.attributes.bind(hyper[layout.hyper_size():],
                                            state[layout.state_size():],
                                            partial)
-        new_params, new_state = _apply_update(layout, settings, scaling,
-                                              params, grads, state, hyper)
+        new_params, new_state, _ = _apply_update(
+            layout, settings, scaling, params, grads, state, hyper)
         return new_params + new_state
 
     grads = settings.gradients.start(trainable)[:len(trainable)]
