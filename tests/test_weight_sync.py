@@ -89,6 +89,49 @@ def test_calling_a_module_that_reaches_its_layers_by_closure_is_current():
     torch.testing.assert_close(module(x), reference(x), rtol=0, atol=1e-6)
 
 
+class WithLoss(torch.nn.Module):
+    """The tutorials' wrapper: a model and its loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        out = self.model(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+READS_OF_AN_INNER_MODULE = {
+    "attribute": lambda net, x: net.fc.weight,
+    "state_dict": lambda net, x: net.state_dict()["fc.weight"],
+    "parameters": lambda net, x: list(net.parameters())[0],
+    "sub-module state_dict": lambda net, x: net.fc.state_dict()["weight"],
+    "call": lambda net, x: net(x),
+}
+
+
+@pytest.mark.parametrize("read", list(READS_OF_AN_INNER_MODULE.values()),
+                         ids=list(READS_OF_AN_INNER_MODULE))
+def test_a_sub_module_the_program_holds_reads_the_trained_weights(read):
+    """``trainingModel(WithLoss(net))``, then ``net`` read directly."""
+    torch.manual_seed(1)
+    net = torch.nn.Sequential()
+    net.add_module("fc", torch.nn.Linear(4, 3))
+    reference = copy.deepcopy(net)
+    x, y = make_data(8)
+    model = poptorch.trainingModel(WithLoss(net), options(),
+                                   torch.optim.SGD(net.parameters(), lr=0.5))
+    model(x, y)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    optimizer.step()
+    torch.testing.assert_close(read(net, x), read(reference, x), rtol=0,
+                               atol=1e-6)
+    model.destroy()
+    assert type(net) is torch.nn.Sequential
+    assert type(net.fc) is torch.nn.Linear
+
+
 def test_copy_weights_to_host_if_needed_reports_copies(mlp):
     model = poptorch.trainingModel(mlp, options())
     model(*make_data(4))

@@ -1,11 +1,14 @@
 """Keeping the user's module (the host copy) and the models' device copies in
 step (semantics.md, "Weights between host and device").
 
-Wrapping a module attaches a ``ModuleSync`` to it and swaps its class for a
-subclass whose calls and parameter and buffer accessors first bring trained
-weights back from the training model's device, once per training call: a
-call of the module is current even when its ``forward`` reaches sub-modules
-through closures or stored references rather than attribute reads. Pickling and
+Wrapping a module attaches a ``ModuleSync`` to it and swaps its class, and
+the classes of all its sub-modules, for subclasses whose calls and parameter
+and buffer accessors first bring trained weights back from the training
+model's device, once per training call: a call of the module is current even
+when its ``forward`` reaches sub-modules through closures or stored
+references rather than attribute reads, and so is a sub-module the program
+holds itself (``net`` after ``trainingModel(WithLoss(net))``) when it reads
+its weights or calls it. Pickling and
 deep-copying the module give a plain instance of the original class.
 
 Models of different modules may share sub-modules (a GAN's generator loss
@@ -26,6 +29,9 @@ import torch
 from ..errors import Error
 
 _SYNC_ATTRIBUTE = "_poptorch_sync"
+# Each hooked module's list of the ModuleSyncs of the wrapped modules it
+# belongs to (a sub-module may belong to several: a GAN's losses).
+_SYNCS_ATTRIBUTE = "_poptorch_syncs"
 _suspended = [0]
 
 
@@ -118,21 +124,41 @@ class SharedTensors:
 
 
 def attach(module: torch.nn.Module) -> ModuleSync:
-    """The module's ``ModuleSync``, installing the read hooks on first use."""
+    """The module's ``ModuleSync``, installing the read hooks on the module
+    and its sub-modules on first use."""
     sync = module.__dict__.get(_SYNC_ATTRIBUTE)
     if sync is None:
         sync = ModuleSync()
+        for sub in _hookable(module):
+            sub.__dict__.setdefault(_SYNCS_ATTRIBUTE, []).append(sync)
+            if not hasattr(type(sub), "_poptorch_original_class"):
+                sub.__class__ = _hooked_class(type(sub))
         module.__dict__[_SYNC_ATTRIBUTE] = sync
-        module.__class__ = _hooked_class(type(module))
     return sync
 
 
 def detach(module: torch.nn.Module) -> None:
-    """Remove the hooks once no model wraps the module any more."""
+    """Remove the hooks once no model wraps the module any more (those of
+    sub-modules that another wrapped module holds stay)."""
     sync = module.__dict__.get(_SYNC_ATTRIBUTE)
-    if sync is not None and sync.executors == 0:
-        del module.__dict__[_SYNC_ATTRIBUTE]
-        module.__class__ = type(module)._poptorch_original_class
+    if sync is None or sync.executors != 0:
+        return
+    del module.__dict__[_SYNC_ATTRIBUTE]
+    for sub in _hookable(module):
+        syncs = sub.__dict__.get(_SYNCS_ATTRIBUTE, [])
+        if sync in syncs:
+            syncs.remove(sync)
+        if not syncs:
+            sub.__dict__.pop(_SYNCS_ATTRIBUTE, None)
+            sub.__class__ = type(sub)._poptorch_original_class
+
+
+def _hookable(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The module and its sub-modules, once each, without TorchScript
+    modules (whose class cannot change)."""
+    with host_reads_suspended():
+        return [sub for sub in module.modules()
+                if not isinstance(sub, torch.jit.ScriptModule)]
 
 
 def sync_of(module: torch.nn.Module) -> Optional[ModuleSync]:
@@ -162,8 +188,7 @@ _READ_METHODS = ("__call__", "parameters", "named_parameters", "buffers", "named
 
 
 def _before_read(module: torch.nn.Module) -> None:
-    sync = module.__dict__.get(_SYNC_ATTRIBUTE)
-    if sync is not None:
+    for sync in module.__dict__.get(_SYNCS_ATTRIBUTE, ()):
         sync.bring_host_up_to_date()
 
 
@@ -186,6 +211,6 @@ def _reduce_ex(self, protocol):
     """Pickle and deep-copy as a plain instance of the original class."""
     _before_read(self)
     state = {key: value for key, value in self.__dict__.items()
-             if key != _SYNC_ATTRIBUTE}
+             if key not in (_SYNC_ATTRIBUTE, _SYNCS_ATTRIBUTE)}
     return (copyreg._reconstructor,
             (type(self)._poptorch_original_class, object, None), state)
