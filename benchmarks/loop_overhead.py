@@ -62,11 +62,14 @@ def eager_pass(model, x, y, micro_batch: int):
     return one_pass
 
 
-def poptorch_pass(model, x, y, iterations: int, micro_batch: int):
+def poptorch_pass(model, x, y, iterations: int, micro_batch: int,
+                  floating_point_exceptions: bool = False):
     """One pass over the same data through a training model with
-    ``iterations`` device iterations per call."""
+    ``iterations`` device iterations per call (checking every step's values
+    with ``floating_point_exceptions``)."""
     opts = poptorch.Options().deviceIterations(iterations)
     opts.showCompilationProgressBar(False)
+    opts.Precision.enableFloatingPointExceptions(floating_point_exceptions)
     training = poptorch.trainingModel(
         model, opts,
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
@@ -93,18 +96,23 @@ def main() -> None:
           f"{platform.processor() or platform.machine()}; D = "
           f"{args.iterations}, micro-batch {args.micro_batch}, "
           f"{rows} samples per pass, median of {args.repeats}")
-    print("| model | eager samples/s | poptorch (graph) samples/s | ratio |")
-    print("|---|---|---|---|")
+    print("| model | eager samples/s | poptorch (graph) samples/s | ratio "
+          "| with floating-point exceptions: samples/s | ratio | cost |")
+    print("|---|---|---|---|---|---|---|")
     for kind, cls in (("mlp", MLP), ("cnn", CNN)):
         torch.manual_seed(0)
         model = cls()
         x, y = data(kind, rows)
-        eager, ours = interleaved_medians(
+        eager, ours, checked = interleaved_medians(
             [eager_pass(copy.deepcopy(model), x, y, args.micro_batch),
-             poptorch_pass(model, x, y, args.iterations, args.micro_batch)],
+             poptorch_pass(copy.deepcopy(model), x, y, args.iterations,
+                           args.micro_batch),
+             poptorch_pass(model, x, y, args.iterations, args.micro_batch,
+                           floating_point_exceptions=True)],
             args.repeats)
         print(f"| {kind.upper()} | {rows / eager:,.0f} | {rows / ours:,.0f} "
-              f"| {eager / ours:.2f} |")
+              f"| {eager / ours:.2f} | {rows / checked:,.0f} "
+              f"| {eager / checked:.2f} | {checked / ours - 1:+.0%} |")
 
 
 if __name__ == "__main__":

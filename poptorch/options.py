@@ -170,8 +170,10 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         IMPLEMENTED, "the casting policy of automatic mixed-precision "
         "casting (poptorch.autocasting.Policy)"),
     "Precision.enableFloatingPointExceptions": Effect(
-        NO_EFFECT, "CPU/GPU arithmetic follows IEEE rules (inf and NaN "
-        "results) and PyTorch has no floating-point trap mode"),
+        IMPLEMENTED, "a call stops at the first step whose loss, gradients "
+        "or updated weights (an inference model's outputs) are not finite, "
+        "is rolled back and raises poptorch.Error naming the step and the "
+        "value (docs/failed_calls.md)"),
     "Precision.enableStochasticRounding": Effect(
         NO_EFFECT, "CPU/GPU arithmetic rounds to nearest; PyTorch has no "
         "stochastic rounding mode"),
@@ -682,7 +684,13 @@ class _PrecisionOptions(_OptionsGroup):
     def enableFloatingPointExceptions(self, enabled: bool
                                       ) -> "_PrecisionOptions":
         """Raise on invalid floating point operations (infinities subtracted,
-        division by zero, ...) when True."""
+        division by zero, ...) when True.
+
+        Here (CPU/GPU arithmetic gives inf and NaN instead of trapping) each
+        training step checks its loss, gradients and updated weights (an
+        inference step its outputs); the call stops at the first non-finite
+        value, is rolled back, and raises ``poptorch.Error`` naming the step
+        and the value (``docs/failed_calls.md``)."""
         option = "Precision.enableFloatingPointExceptions"
         _check_bool(option, enabled)
         return self._store(option, floating_point_exceptions=enabled)

@@ -149,6 +149,14 @@ def test_cuda_graphs_say_why_a_cuda_model_cannot_use_them(
                                     all_reduces)
 
 
+def test_cuda_graphs_are_not_used_with_floating_point_exceptions():
+    """The device loop keeps every step's flags, which a replay would not
+    hand back."""
+    reason = cuda_graph_reason(torch.device("cuda"), True, False, False,
+                               False, False, finite_checks=True)
+    assert "floating-point exceptions" in reason
+
+
 def test_cuda_graphs_are_not_used_on_the_cpu():
     """cuda_graphs=True on a CPU model runs the plain loop."""
     torch.manual_seed(0)

@@ -1,5 +1,7 @@
 """What the capture cannot turn into a static graph raises poptorch.Error
-naming the operation and the user's source line."""
+naming the operation and the user's source line; any other exception raised
+while the model is captured reaches the caller as itself, with the source
+line as a note."""
 import copy
 import importlib.util
 import logging
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 import poptorch
+from conftest import assert_same_weights
 
 THIS_FILE = __file__
 
@@ -72,6 +75,18 @@ def _shape_error(self, h):
     return h @ torch.ones(3, 3)  # marker: shape
 
 
+def _bad_arguments(self, h):
+    return torch.scatter(h, 0, 1)  # marker: arguments
+
+
+def _out_of_range(self, h):
+    return h[:, 7]  # marker: index
+
+
+def _user_check(self, h):
+    raise ValueError(f"expected 3 features, got {h.shape[1]}")  # marker: user
+
+
 @pytest.mark.parametrize("body,marker,operation,problem", [
     (_item, "item", "aten._local_scalar_dense", "reads the value of a tensor"),
     (_tolist, "tolist", "aten._local_scalar_dense",
@@ -80,7 +95,6 @@ def _shape_error(self, h):
      "if/while condition on a tensor"),
     (_mask, "mask", "aten.nonzero", "result shape depends on the data"),
     (_unique, "unique", "aten._unique2", "result shape depends on the data"),
-    (_shape_error, "shape", "RuntimeError", "must have same reduction dim"),
 ])
 def test_error_names_the_operation_and_the_source_line(body, marker,
                                                       operation, problem):
@@ -92,19 +106,144 @@ def test_error_names_the_operation_and_the_source_line(body, marker,
     assert problem in message
 
 
+def _plain_and_captured(body, training=False):
+    """The exceptions that ``Wrapped(body)`` raises in plain PyTorch and
+    when wrapped (the wrapper is also returned)."""
+    torch.manual_seed(0)
+    model = Wrapped(body)
+    x = torch.randn(2, 4)
+    with pytest.raises(Exception) as plain:
+        model(x)
+    wrapper = (poptorch.trainingModel(model) if training
+               else poptorch.inferenceModel(model))
+    with pytest.raises(Exception) as captured:
+        wrapper(x)
+    return plain.value, captured.value, wrapper
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("body,marker,same_message", [
+    (_bad_arguments, "arguments", False),
+    (_out_of_range, "index", True),
+    (_user_check, "user", True),
+    (_shape_error, "shape", False),
+])
+def test_exceptions_of_pytorch_and_the_model_keep_their_type(
+        body, marker, same_message, training):
+    """A TypeError from bad operator arguments, an IndexError, the model's
+    own ValueError and a RuntimeError from a shape mismatch reach the
+    caller with the type plain PyTorch raises, the message first (PyTorch's
+    own for errors raised in Python; the fake tensors' kernels may word a
+    shape error differently) and the user's source line as a note."""
+    plain, captured, wrapper = _plain_and_captured(body, training)
+    assert type(captured) is type(plain)
+    if same_message:
+        assert str(captured) == str(plain)
+    line = _line_of(f"# marker: {marker}")
+    assert captured.__notes__ == [
+        f'Raised while poptorch captured the model, at File "{THIS_FILE}", '
+        f"line {line}, in {body.__name__}: {_source_line(line)}"]
+    assert not wrapper.isCompiled()
+
+
+def _source_line(number: int) -> str:
+    with open(THIS_FILE) as source:
+        return source.read().splitlines()[number - 1].strip()
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("this backward cannot run")  # marker: backward
+
+
+def _failing_backward(self, h):
+    out = _FailingBackward.apply(h)
+    return out, poptorch.identity_loss(out.sum(), "none")
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_exception_of_a_backward_pass_keeps_its_type(replicas):
+    """An exception of the model's own backward pass, met when the training
+    step is captured, is raised as itself, on the vectorised replica path
+    too (which falls back to the sequential path, where it is raised
+    again)."""
+    model = Wrapped(_failing_backward)
+    x = torch.randn(2 * replicas, 4)
+    with pytest.raises(ValueError, match="this backward cannot run"):
+        model(x)[1].backward()
+    wrapper = poptorch.trainingModel(
+        model, poptorch.Options().replicationFactor(replicas))
+    with pytest.raises(ValueError) as info:
+        wrapper(x)
+    assert str(info.value) == "this backward cannot run"
+    line = _line_of("# marker: backward")
+    assert info.value.__notes__ == [
+        f'Raised while poptorch captured the model, at File "{THIS_FILE}", '
+        f"line {line}, in backward: {_source_line(line)}"]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_corrected_call_compiles_after_an_exception(training):
+    """After a call that fails in capture with PyTorch's RuntimeError (a
+    shape mismatch), the wrapper is as it was: a call with correct
+    arguments compiles and runs as plain PyTorch (atol 1e-6), from the
+    user's unchanged weights."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    twin = copy.deepcopy(net)
+    loss = torch.nn.MSELoss()
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, target):
+            out = self.inner(x)
+            return out, loss(out, target)
+
+    if training:
+        wrapper = poptorch.trainingModel(
+            WithLoss(net), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    else:
+        wrapper = poptorch.inferenceModel(WithLoss(net))
+    with pytest.raises(RuntimeError) as info:
+        wrapper(torch.randn(2, 5), torch.randn(2, 3))
+    assert type(info.value) is RuntimeError
+    assert not wrapper.isCompiled()
+    assert_same_weights(net, twin)
+    x, target = torch.randn(2, 4), torch.randn(2, 3)
+    out, value = wrapper(x, target)
+    expected = WithLoss(twin)(x, target)
+    torch.testing.assert_close(out, expected[0].detach(), atol=1e-6,
+                               rtol=1e-5)
+    torch.testing.assert_close(value, expected[1].detach(), atol=1e-6,
+                               rtol=1e-5)
+    if training:
+        expected[1].backward()
+        torch.optim.SGD(twin.parameters(), lr=0.1).step()
+        wrapper.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
 def test_torch_does_not_log_the_failure_before_the_error():
     """Fake tensors log a failing operation with torch's traceback; the
-    user gets the poptorch.Error alone."""
+    user gets the exception alone."""
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
     fake_tensor_log.addHandler(handler)
     try:
-        message = _capture_error(_shape_error)
+        _, captured, _ = _plain_and_captured(_shape_error)
     finally:
         fake_tensor_log.removeHandler(handler)
-    assert "must have same reduction dim" in message
+    assert "must have same reduction dim" in str(captured)
     assert [record.getMessage() for record in records] == []
 
 

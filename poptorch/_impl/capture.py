@@ -31,12 +31,13 @@ from torch.utils import _pytree as pytree
 
 from ..errors import Error
 from . import blocks, losses, recomputation, tracing_context
-from .compile_errors import capture_error
+from .compile_errors import capture_refusal, locate
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
 from .automatic_casting import AutomaticCasting, Policy
 from .half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .recurrent_layers import RecurrentLayersWithoutOneDnn
+from .signature import plain_dict_subclasses
 from .sparse_gradients import use_dense_gradients
 from .weight_sync import host_reads_suspended
 
@@ -93,13 +94,16 @@ def trace(fn: Callable, example_inputs: Sequence[torch.Tensor],
     The fake tensors have static shapes and no shape environment, so
     anything that needs their data (``.item()``, a data-dependent output
     shape) raises instead of entering the graph as a symbolic value. Real
-    tensors the model holds as plain attributes (not buffers) become
-    constants of the graph, frozen at capture like other plain attributes."""
+    tensors the model reads besides its inputs (plain tensor attributes,
+    not buffers, and closure tensors) become constants of the graph, frozen
+    at capture like other plain attributes, also in a ``forward`` that
+    reads nothing else."""
     fake_mode = FakeTensorMode(allow_fallback_kernels=True,
                                allow_non_fake_inputs=True,
                                static_shapes=True)
     fake_inputs = [fake_mode.from_tensor(t) for t in example_inputs]
-    with tracing_context.fake_tracing():
+    # Active around make_fx, the mode is the trace's even without inputs.
+    with tracing_context.fake_tracing(), fake_mode:
         graph_module = make_fx(fn, tracing_mode="fake")(*fake_inputs)
     if not keep_detaches:
         _remove_detaches(graph_module.graph)
@@ -167,10 +171,11 @@ class ModelCall:
             self._in_modes = False
 
     def _mode_stack(self) -> contextlib.ExitStack:
-        """The TorchFunctionModes of a captured forward pass: half/float
-        casting, cumulative BatchNorm averages, recurrent layers without
-        oneDNN and automatic casting."""
+        """The TorchFunctionModes of a captured forward pass: constants on
+        the device, half/float casting, cumulative BatchNorm averages,
+        recurrent layers without oneDNN and automatic casting."""
         modes = contextlib.ExitStack()
+        modes.enter_context(tracing_context.ConstantsOnDevice())
         modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
         modes.enter_context(CumulativeAverage())
         modes.enter_context(RecurrentLayersWithoutOneDnn())
@@ -340,7 +345,8 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         p, b, x = split_flat(flat, [len(params), len(buffers)])
         with losses.LossRecorder() as recorder:
             output = call(p, b, x)
-        leaves, found["spec"] = pytree.tree_flatten(output)
+        leaves, found["spec"] = pytree.tree_flatten(
+            plain_dict_subclasses(output))
         found["constants"] = [
             TENSOR_LEAF if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves]
@@ -372,13 +378,19 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
 
 def trace_user_code(fn: Callable, example_inputs,
                     keep_detaches: bool = False) -> torch.fx.GraphModule:
-    """``trace`` with failures in the user's code reported as poptorch.Error."""
+    """``trace`` with failures located in the user's code: what a static
+    graph cannot hold as a ``poptorch.Error``, any other exception as
+    itself with a note (``compile_errors.py``)."""
     try:
         return trace(fn, example_inputs, keep_detaches)
     except Error:
         raise
     except Exception as error:
-        raise capture_error(error) from error
+        refusal = capture_refusal(error)
+        if refusal is not None:
+            raise refusal from error
+        locate(error)
+        raise
 
 
 def split_flat(flat: Sequence, sizes: Sequence[int]) -> List[list]:
@@ -392,7 +404,8 @@ def split_flat(flat: Sequence, sizes: Sequence[int]) -> List[list]:
 
 
 def tensor_outputs(output) -> List[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves(output)
+    """The tensors among ``output``'s leaves, in flattening order."""
+    return [leaf for leaf in pytree.tree_leaves(plain_dict_subclasses(output))
             if isinstance(leaf, torch.Tensor)]
 
 

@@ -1,9 +1,10 @@
-"""Capture failures reported as ``poptorch.Error`` naming the operation and
-the line of the user's code that caused them.
+"""Capture failures located at the line of the user's code that caused
+them.
 
 The capture traces the model with fake tensors that have shapes and dtypes
 but no data, in a static-shape mode: anything that needs the data while the
-model is captured raises there, and is reported here:
+model is captured raises there. These are the runtime's refusals, reported
+as ``poptorch.Error`` naming the operation and the line:
 
 * reading a tensor's value in Python (``.item()``, ``.tolist()``,
   ``bool(t)``, ``if t > 0:``, ``int(t)``...);
@@ -11,7 +12,16 @@ model is captured raises there, and is reported here:
   ``x[mask]``, ``nonzero``, ``unique``, ``masked_select``...);
 * operations that cannot run on fake tensors (a custom operator without a
   fake implementation, ``.numpy()``...);
-* any other exception raised by the model's code while it is traced.
+* ``torch.utils.checkpoint`` with ``use_reentrant=True`` in a training
+  model (the captured backward pass is ``torch.autograd.grad``).
+
+Any other exception raised while the model is traced, by PyTorch (a
+``TypeError`` from bad arguments to an operator, a ``RuntimeError`` from a
+shape mismatch) or by the model's own code (an ``IndexError``), reaches the
+caller as itself, as in PopTorch and in plain PyTorch: same type, same
+message, with the line added as a note (``add_note``; on Python 3.10, which
+has no ``add_note``, the note is appended to the exception's ``__notes__``
+as 3.11 does, where 3.10's tracebacks do not print it).
 
 The source location is the innermost frame of the failure whose file name
 contains none of ``Options.sourceLocationExcludes`` (default ``torch/``,
@@ -30,6 +40,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            UnsupportedOperatorException)
 
 from ..errors import Error
+from .exception_notes import add_note
 
 DEFAULT_EXCLUDES = ("torch/", "poptorch/", "<frozen")
 
@@ -52,6 +63,11 @@ _DYNAMIC_SHAPE = (
     "indexing x[mask], nonzero, unique and masked_select do). A static "
     "graph needs every shape when it is captured; use a fixed-shape form "
     "such as torch.where(mask, x, 0) or a multiplication by the mask")
+_REENTRANT_CHECKPOINT = (
+    "uses torch.utils.checkpoint with use_reentrant=True, which only "
+    "recomputes under an eager .backward() call, while the captured "
+    "training step differentiates with torch.autograd.grad; pass "
+    "use_reentrant=False, which the captured backward pass recomputes")
 _UNSUPPORTED = ("uses the operation {op}, which cannot be captured: it has "
                 "no implementation for tensors without data (fake tensors)")
 
@@ -100,7 +116,9 @@ def _operation(error: Exception) -> str:
     return str(func) if func is not None else type(error).__name__
 
 
-def _problem(error: Exception) -> str:
+def _refusal(error: Exception) -> Optional[str]:
+    """What the model does that a static graph cannot hold, None when
+    ``error`` is no refusal of the runtime."""
     name = type(error).__name__
     if isinstance(error, DataDependentOutputException) or \
             name in ("GuardOnDataDependentSymNode",
@@ -112,7 +130,9 @@ def _problem(error: Exception) -> str:
         return _UNSUPPORTED.format(op=_operation(error))
     if "fake impl" in str(error) or "tensor subclasses" in str(error):
         return f"uses an operation that cannot be captured: {error}"
-    return f"raised {name}: {error}"
+    if "use_reentrant=True" in str(error):
+        return _REENTRANT_CHECKPOINT
+    return None
 
 
 _DISTRIBUTION_CHECKS = (
@@ -141,10 +161,23 @@ def _hint(frames: List[traceback.FrameSummary]) -> str:
     return ""
 
 
-def capture_error(error: Exception) -> Error:
+def capture_refusal(error: Exception) -> Optional[Error]:
     """``error``, raised while the model was traced, as a ``poptorch.Error``
-    naming the operation and the user's source line."""
+    naming the operation and the user's source line when it is a refusal
+    of the runtime; None for any other exception, which then gets the
+    source line as a note (``locate``)."""
+    problem = _refusal(error)
+    if problem is None:
+        return None
     frames = traceback.extract_tb(error.__traceback__)
     location = describe_frame(user_frame(frames))
     return Error(f"The model could not be captured into a static graph: at "
-                 f"{location}, the model {_problem(error)}.{_hint(frames)}")
+                 f"{location}, the model {problem}.{_hint(frames)}")
+
+
+def locate(error: Exception) -> None:
+    """Add the user's source line to ``error``, raised while the model was
+    traced, as a note."""
+    frames = traceback.extract_tb(error.__traceback__)
+    add_note(error, "Raised while poptorch captured the model, at "
+             f"{describe_frame(user_frame(frames))}")

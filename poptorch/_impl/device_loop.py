@@ -17,6 +17,8 @@ import torch
 
 from .backends.backend import CompiledStep
 from .batching import BatchLayout, micro_batch
+from .failed_calls import CallProgress
+from .floating_point_checks import StepFlags
 from .outputs import OutputCollector
 
 
@@ -33,6 +35,8 @@ class TrainingSteps:
     written_buffers: List[int]
     running: List[torch.Tensor]         # the running gradient buffer, if
                                         # the steps keep one
+    finite_checks: bool = False         # steps return floating-point flags
+                                        # before the model's outputs
 
 
 def _store_buffers(buffers: List[torch.Tensor], written: List[int],
@@ -44,15 +48,19 @@ def _store_buffers(buffers: List[torch.Tensor], written: List[int],
 def run_inference(steps: InferenceSteps, params: List[torch.Tensor],
                   buffer_sets: List[List[torch.Tensor]],
                   inputs: List[torch.Tensor], layout: BatchLayout,
-                  collector: OutputCollector) -> None:
+                  collector: OutputCollector, progress: CallProgress,
+                  flags: Optional[StepFlags] = None) -> None:
     written = len(steps.written_buffers)
     for iteration in range(layout.device_iterations):
         for replica in range(layout.replicas):
+            progress.step(iteration, 0, replica)
             buffers = buffer_sets[replica % len(buffer_sets)]
             micro = micro_batch(inputs, iteration, 0,
                                 layout.data_index(replica))
             result = steps.step(*params, *buffers, *micro)
             _store_buffers(buffers, steps.written_buffers, result[:written])
+            if flags is not None:
+                flags.add_outputs(progress.position, result[written:])
             collector.add(iteration, replica, result[written:])
 
 
@@ -68,17 +76,20 @@ class TrainingState:
 
 def run_training(steps: TrainingSteps, state: TrainingState,
                  inputs: List[torch.Tensor], layout: BatchLayout,
-                 collector: OutputCollector) -> None:
+                 collector: OutputCollector, progress: CallProgress,
+                 flags: Optional[StepFlags] = None) -> None:
     accumulation = layout.gradient_accumulation
     replicas = layout.replicas
     written = len(steps.written_buffers)
     trained = len(state.trainable)
+    flagged = int(steps.finite_checks)
     for iteration in range(layout.device_iterations):
         running = steps.running
-        if steps.accumulate is not None:
+        if steps.accumulate is not None and running:
             torch._foreach_zero_(running)
         for step in range(accumulation):
             for replica in range(replicas):
+                progress.step(iteration, step, replica)
                 buffers = state.buffer_sets[replica % len(state.buffer_sets)]
                 micro = micro_batch(inputs, iteration, step,
                                     layout.data_index(replica))
@@ -91,7 +102,6 @@ def run_training(steps: TrainingSteps, state: TrainingState,
                                    result[:written])
                     end = written + len(steps.running)
                     running = result[written:end]
-                    outputs = result[end:]
                 else:
                     result = steps.update(*head, *state.optimizer,
                                           *state.hyper, *running, *micro)
@@ -100,6 +110,7 @@ def run_training(steps: TrainingSteps, state: TrainingState,
                                    result[trained:trained + written])
                     end = trained + written + len(state.optimizer)
                     state.optimizer = list(result[trained + written:end])
-                    outputs = result[end:]
+                if flagged:
+                    flags.add(progress.position, result[end])
                 collector.add(iteration * accumulation + step, replica,
-                              outputs)
+                              result[end + flagged:])

@@ -16,9 +16,9 @@ from torch.utils import _pytree as pytree
 from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
-from . import (capture, device_loop, distributed, model_parallel,
-               replica_grouping, replication, staged_execution, stages,
-               weight_sync)
+from . import (capture, device_loop, distributed, failed_calls,
+               model_parallel, replica_grouping, replication,
+               staged_execution, stages, weight_sync)
 from .backends.cuda_graphs import CudaGraphCall, cuda_graph_reason
 from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
@@ -28,6 +28,7 @@ from .automatic_casting import Policy
 from .capture import ModelCall, TensorLeaf
 from .device_state import DeviceState
 from .devices import select_device
+from .floating_point_checks import StepFlags
 from .half_casting import target_dtype
 from .logger import info_once, logger, warn_once
 from .names import mark_parameters
@@ -330,7 +331,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             for name, graph in graphs.items()}
         self._steps = device_loop.TrainingSteps(
             update=compiled["update"], accumulate=compiled.get("accumulate"),
-            written_buffers=analysis.written_buffers, running=zeros)
+            written_buffers=analysis.written_buffers, running=zeros,
+            finite_checks=settings.finite_checks)
 
     def _step_settings(self, layout: BatchLayout) -> StepSettings:
         """The training step's reduction of micro-batches (by the replica
@@ -342,7 +344,8 @@ class PoplarExecutor(CompiledExecutionMethods):
                 (self._replicas.step_replicas if self._staged is None
                  else layout.replicas), self._plan.accum_dtype),
             attributes=GlobalAttributes.build(
-                self._plan, self._options.Training.auto_loss_scaling))
+                self._plan, self._options.Training.auto_loss_scaling),
+            finite_checks=self._options.Precision.floating_point_exceptions)
 
     def _trace_update(self, model_call, training, settings, example, state,
                       inputs, processes) -> torch.fx.GraphModule:
@@ -436,11 +439,12 @@ class PoplarExecutor(CompiledExecutionMethods):
                          for t in host_inputs]
         split = [layout.split(t) for t in device_inputs]
         timer.inputs_transferred()
-        with self._rng.active(), torch.no_grad():
-            outputs = self._device_call(split, timer)
-            for index in self._analysis.written_inputs:
-                if device_inputs[index] is not host_inputs[index]:
-                    host_inputs[index].copy_(device_inputs[index])
+        with failed_calls.interrupts_between_steps() as progress:
+            outputs = self._rolled_back_on_failure(split, timer, progress)
+            with torch.no_grad():
+                for index in self._analysis.written_inputs:
+                    if device_inputs[index] is not host_inputs[index]:
+                        host_inputs[index].copy_(device_inputs[index])
         if self._training:
             self._sync.trained_on_device()
             self._shared.trained()
@@ -451,29 +455,88 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._timer = timer
         return result
 
-    def _device_call(self, split: List[torch.Tensor],
-                     timer: Optional[CallTimer]) -> List[torch.Tensor]:
-        """Run one call's loop (replayed as a CUDA graph when enabled);
-        return the combined output tensors."""
+    def _rolled_back_on_failure(self, split: List[torch.Tensor],
+                                timer: CallTimer,
+                                progress: failed_calls.CallProgress
+                                ) -> List[torch.Tensor]:
+        """The call's device loop; when it fails, the device state goes
+        back to what it was before the call (``failed_calls.py``)."""
+        graphed = self._replays_cuda_graph()
+        snapshot = (failed_calls.CallSnapshot.of_everything(self._state,
+                                                             self._rng)
+                    if graphed else self._snapshot())
+        flags = None if graphed else self._step_flags()
+        try:
+            with self._rng.active(), torch.no_grad():
+                if graphed:
+                    outputs = self._cuda_graph_call(split)
+                else:
+                    outputs = self._device_loop(split, timer, progress,
+                                                flags)
+            if flags is not None:
+                flags.raise_first(self._layout)
+        except BaseException as error:
+            snapshot.restore(self._state, self._rng)
+            if not isinstance(error, Error):
+                failed_calls.explain(
+                    error, progress, self._layout, self._staged is None and
+                    self._replicas.step_losses == 1)
+            raise
+        return outputs
+
+    def _snapshot(self) -> failed_calls.CallSnapshot:
+        """What a failed call restores: the parameters and optimizer state
+        the update steps overwrite in place are copied (the graph
+        backend's, and a multi-stage model's update), the rest kept."""
+        overwrites = self._training and (
+            self._staged is not None or
+            self._session.backend.overwrites_donated_inputs)
+        return failed_calls.CallSnapshot(
+            self._state, self._rng,
+            self._training_layout.trainable if overwrites else [],
+            overwrites)
+
+    def _step_flags(self) -> Optional[StepFlags]:
+        """Where the steps' floating-point flags go, when
+        ``enableFloatingPointExceptions(True)``."""
+        if not self._options.Precision.floating_point_exceptions:
+            return None
+        if not self._training:
+            return StepFlags([], 1, outputs=True)
+        names = [self._state.param_names[i]
+                 for i in self._training_layout.trainable]
+        if self._staged is not None:
+            return StepFlags([names[p] for p in
+                              self._staged.updated_positions], 0)
+        return StepFlags(names, self._replicas.step_losses)
+
+    def _replays_cuda_graph(self) -> bool:
+        """Whether this call replays as a CUDA graph (decided on the first
+        call)."""
         if self._cuda_graph_call is None and self._staged is None:
             reason = cuda_graph_reason(
                 self._state.device, self._options.cuda_graphs,
                 bool(self._analysis.written_inputs),
                 bool(self._session.anchors),
                 self._training and self._state_location.off_chip,
-                self._training and self._all_reduces)
+                self._training and self._all_reduces,
+                self._options.Precision.floating_point_exceptions)
             if reason is None:
                 self._cuda_graph_call = CudaGraphCall(
                     self._device_loop, *self._state_io())
             elif self._options.cuda_graphs:
                 info_once(f"setBackend(cuda_graphs=True): calls run without "
                           f"a CUDA graph, because {reason}")
-        if self._cuda_graph_call is not None:
-            return self._cuda_graph_call(split)
-        return self._device_loop(split, timer)
+        return self._cuda_graph_call is not None
 
     def _device_loop(self, split: List[torch.Tensor],
-                     timer: Optional[CallTimer] = None) -> List[torch.Tensor]:
+                     timer: Optional[CallTimer] = None,
+                     progress: Optional[failed_calls.CallProgress] = None,
+                     flags: Optional[StepFlags] = None
+                     ) -> List[torch.Tensor]:
+        """Run one call's loop; return the combined output tensors. A CUDA
+        graph records it without ``progress`` (a replay is one step)."""
+        progress = progress or failed_calls.CallProgress([False])
         layout = self._layout
         collector = self._session.anchors.collector(
             OutputCollector(
@@ -486,30 +549,37 @@ class PoplarExecutor(CompiledExecutionMethods):
         if timer is not None:
             collector = timer.collector(collector)
         if self._staged is not None:
-            self._run_stages(split, collector)
+            self._run_stages(split, collector, progress, flags)
             return collector.result()
         with self._replicas.loop(split, self._state.buffers,
                                  collector) as loop:
             if self._training:
-                self._run_training(loop)
+                self._run_training(loop, progress, flags)
             else:
                 device_loop.run_inference(self._steps, self._state.params,
                                           loop.buffer_sets, loop.inputs,
-                                          loop.layout, loop.collector)
+                                          loop.layout, loop.collector,
+                                          progress, flags)
         return collector.result()
 
     def _run_stages(self, split: List[torch.Tensor],
-                    collector: OutputCollector) -> None:
+                    collector: OutputCollector,
+                    progress: failed_calls.CallProgress,
+                    flags: Optional[StepFlags]) -> None:
         """A multi-stage model's call (``staged_execution.py``)."""
         if not self._training:
             self._staged.run_inference(self._state.params,
                                        self._state.buffers, split,
-                                       self._layout, collector)
+                                       self._layout, collector, progress,
+                                       flags)
             return
         self._run_training(replication.LoopArguments(
-            self._layout, split, self._state.buffers, collector))
+            self._layout, split, self._state.buffers, collector), progress,
+            flags)
 
-    def _run_training(self, loop: replication.LoopArguments) -> None:
+    def _run_training(self, loop: replication.LoopArguments,
+                      progress: failed_calls.CallProgress,
+                      flags: Optional[StepFlags]) -> None:
         state = self._state
         training = self._training_layout
         loop_state = device_loop.TrainingState(
@@ -521,10 +591,11 @@ class PoplarExecutor(CompiledExecutionMethods):
             hyper=self._hyper)
         if self._staged is not None:
             self._staged.run_training(loop_state, loop.inputs, loop.layout,
-                                      loop.collector)
+                                      loop.collector, progress, flags)
         else:
             device_loop.run_training(self._steps, loop_state, loop.inputs,
-                                     loop.layout, loop.collector)
+                                     loop.layout, loop.collector, progress,
+                                     flags)
         for index, tensor in zip(training.trainable, loop_state.trainable):
             state.params[index] = tensor
         state.optimizer = self._state_location.to_host(loop_state.optimizer)

@@ -18,10 +18,12 @@ def trainingModel(model: torch.nn.Module, options=None,
                   ) -> PoplarExecutor:
     """Wrap ``model`` for training: each call runs forward, the backward pass
     from the loss computed in ``forward`` and the optimizer update, for every
-    micro-batch of the call. Without an optimizer, SGD with lr 0.01 is used.
+    micro-batch of the call. Without an optimizer, SGD with lr 0.01 is used
+    (over one param group, empty for a model without parameters, which
+    trains nothing).
     """
     if optimizer is None:
-        optimizer = default_optimizer(model.parameters())
+        optimizer = default_optimizer([{"params": list(model.parameters())}])
     return PoplarExecutor(model, _options_or_default(options), training=True,
                           poptorch_version=__version__, optimizer=optimizer,
                           user_model=model)

@@ -86,5 +86,14 @@ class PipelineSchedule:
         ``scale_loss`` gives the loss to differentiate from the model's
         loss."""
         self._scale_loss = scale_loss
-        self._schedule.step(target=torch.zeros(micro_batches),
-                            return_outputs=False, **stacked)
+        try:
+            self._schedule.step(target=torch.zeros(micro_batches),
+                                return_outputs=False, **stacked)
+        except RuntimeError as error:
+            cause = error.__cause__
+            if cause is None or "failed to run" not in str(error):
+                raise
+            # The model's own exception, which the pipelining schedule
+            # wraps ("[Stage k] failed to run forward"), without the wrapper.
+            cause.__suppress_context__ = True
+            raise cause

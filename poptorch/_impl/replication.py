@@ -138,6 +138,12 @@ class ReplicaExecution:
         the replicas' mean (or, for ReductionType.Sum, summed) loss."""
         return 1 if self.path == VECTORISED else self.layout.replicas
 
+    @property
+    def step_losses(self) -> int:
+        """Losses per captured micro-batch step: R on the vectorised path,
+        1 on the others."""
+        return self.layout.replicas if self.path == VECTORISED else 1
+
     # --- what the traced steps see --------------------------------------
     def _written_dims(self, count: int) -> List[Optional[int]]:
         written = set(self.analysis.written_buffers)
@@ -190,20 +196,14 @@ class ReplicaExecution:
 
         return forward
 
-    def _training_forward(self, call: ModelCall,
-                          reduction: ReductionType) -> Callable:
-        """The vectorised step's loss: the replicas' mean for
-        ``ReductionType.Mean`` (the step is one micro-batch, see
+    @staticmethod
+    def _combined_loss(reduction: ReductionType) -> Callable:
+        """The vectorised step's loss from the replicas' [R] losses: their
+        mean for ``ReductionType.Mean`` (the step is one micro-batch, see
         ``step_replicas``), their sum for ``Sum``."""
-        forward = self._vectorised_forward(call, reduction)
-
-        def loss(params, buffers, inputs):
-            values, outputs, written = forward(params, buffers, inputs)
-            total = (values.sum() if reduction == ReductionType.Sum
-                     else values.mean())
-            return total, outputs, written
-
-        return loss
+        if reduction == ReductionType.Sum:
+            return torch.sum
+        return torch.mean
 
     # --- tracing ------------------------------------------------------------
     def trace_training(self, call: ModelCall, training, settings,
@@ -223,11 +223,14 @@ class ReplicaExecution:
             vector_example = dict(example,
                                   buffers=self._stacked_buffers(buffer_sets),
                                   inputs=self._example_inputs(split))
-            return trace_training_step(
-                call, self.analysis, training, settings, vector_example,
-                flags, update=update, accumulated=accumulated,
-                forward=self._training_forward(call, settings.reduction),
-                reduce_gradients=reduce_gradients)
+            with _vmap_failures_as_errors():
+                return trace_training_step(
+                    call, self.analysis, training, settings, vector_example,
+                    flags, update=update, accumulated=accumulated,
+                    forward=self._vectorised_forward(call,
+                                                     settings.reduction),
+                    combine_losses=self._combined_loss(settings.reduction),
+                    reduce_gradients=reduce_gradients)
         return trace_training_step(call, self.analysis, training, settings,
                                    example, flags, update=update,
                                    accumulated=accumulated,
@@ -242,9 +245,10 @@ class ReplicaExecution:
             example = (params + self._stacked_buffers(buffer_sets) +
                        self._example_inputs(split))
             try:
-                return self._trace_vectorised_inference(
-                    call, len(params), len(buffer_sets[0]), example,
-                    flags), example
+                with _vmap_failures_as_errors():
+                    return self._trace_vectorised_inference(
+                        call, len(params), len(buffer_sets[0]), example,
+                        flags), example
             except Error as error:
                 self.fall_back(error)
         params = self.grouped.replica_params(params)
@@ -309,6 +313,19 @@ class ReplicaExecution:
         for index in self.analysis.written_buffers:
             for replica, values in enumerate(buffer_sets):
                 values[index] = stacked[index][replica]
+
+
+@contextlib.contextmanager
+def _vmap_failures_as_errors() -> Iterator[None]:
+    """Any failure of a vectorised trace as a ``poptorch.Error``, which
+    sends the model to the sequential path (``fall_back``): a failure of
+    the model's own code shows there again, as itself."""
+    try:
+        yield
+    except Error:
+        raise
+    except Exception as error:
+        raise Error(f"{type(error).__name__}: {error}") from error
 
 
 def _path_for(layout: BatchLayout, analysis: ModelAnalysis, training: bool,

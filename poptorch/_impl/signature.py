@@ -1,6 +1,12 @@
 """The input signature a model is compiled for, and the check that every later
 call matches it (semantics.md: changing an argument's dtype, shape or
-structure after compilation is an error naming the argument)."""
+structure after compilation is an error naming the argument).
+
+Dict arguments are flattened by key, as PopTorch flattens them: a later call
+whose dicts hold the compiled keys in another order, or whose dicts are of
+another standard type (``dict``, ``OrderedDict``, ``defaultdict``), matches
+the compiled call key by key. Other subclasses of ``dict``, which
+``torch.utils._pytree`` does not know, reach ``forward`` as plain dicts."""
 import dataclasses
 import functools
 import inspect
@@ -44,11 +50,26 @@ class CallArguments:
     def __init__(self, forward: Callable, args: tuple, kwargs: dict) -> None:
         signature = _signature(forward)
         bound = _bind(signature, args, kwargs)
-        self.args = bound.args
-        self.kwargs = bound.kwargs
+        self.args, self.kwargs = plain_dict_subclasses((bound.args,
+                                                        bound.kwargs))
         self.leaves, self.spec = pytree.tree_flatten((self.args, self.kwargs))
         self._signature = signature
         self._paths: Optional[List[str]] = None
+
+    def match_keys(self, spec: pytree.TreeSpec) -> bool:
+        """Put the leaves in the order of ``spec`` when the arguments have
+        its structure up to the order and standard type of their dicts
+        (the dicts' keys matched by name); False when they do not."""
+        try:
+            leaves = spec.flatten_up_to((self.args, self.kwargs))
+        except (ValueError, TypeError):
+            return False
+        if not all(pytree.tree_is_leaf(leaf) for leaf in leaves):
+            return False
+        self.leaves, self.spec = leaves, spec
+        self.args, self.kwargs = pytree.tree_unflatten(leaves, spec)
+        self._paths = None
+        return True
 
     @property
     def paths(self) -> List[str]:
@@ -62,6 +83,24 @@ class CallArguments:
     def tensor_positions(self) -> List[int]:
         return [i for i, leaf in enumerate(self.leaves)
                 if isinstance(leaf, torch.Tensor)]
+
+
+def _unknown_dict(value: Any) -> bool:
+    return (isinstance(value, dict)
+            and type(value) not in pytree.SUPPORTED_NODES)
+
+
+def plain_dict_subclasses(tree: Any) -> Any:
+    """``tree`` with each dict of a type ``torch.utils._pytree`` does not
+    know (a subclass of ``dict`` or ``OrderedDict``) as a plain dict, so
+    that its values are flattened rather than taken as one leaf."""
+    def plain(value: Any) -> Any:
+        if _unknown_dict(value):
+            return {key: plain_dict_subclasses(item)
+                    for key, item in value.items()}
+        return value
+
+    return pytree.tree_map(plain, tree, is_leaf=_unknown_dict)
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,8 +172,11 @@ class InputSignature:
         ]
 
     def check(self, call: CallArguments) -> None:
-        """Raise ``poptorch.Error`` naming the first argument that differs."""
-        if call.spec != self.spec:
+        """Raise ``poptorch.Error`` naming the first argument that differs.
+        A call whose dicts differ from the compiled ones in key order or
+        standard dict type only is matched key by key: its leaves are put
+        in the compiled order."""
+        if call.spec != self.spec and not call.match_keys(self.spec):
             raise Error(
                 "The structure of the model's arguments changed after "
                 f"compilation: expected {self._structure(self.spec)}, got "

@@ -53,6 +53,8 @@ from .backends import get_backend
 from .batching import BatchLayout, micro_batch
 from .device_loop import TrainingState
 from .distributed.pipeline_processes import PipelineProcesses
+from .failed_calls import CallProgress
+from .floating_point_checks import StepFlags
 from .logger import info_once
 from .optimizers.global_attributes import PartialGradients
 from .outputs import OutputCollector
@@ -208,9 +210,12 @@ class StagedExecution:
     def run_inference(self, params: List[torch.Tensor],
                       buffer_sets: List[List[torch.Tensor]],
                       inputs: List[torch.Tensor], layout: BatchLayout,
-                      collector: OutputCollector) -> None:
+                      collector: OutputCollector, progress: CallProgress,
+                      flags: Optional[StepFlags] = None) -> None:
         """One inference call: the D x R micro-batches through the
-        stages."""
+        stages (one step for the schedule: ``progress`` is at its start;
+        with ``flags``, each micro-batch's outputs are checked)."""
+        progress.step(0, 0, 0)
         self._view.rebind(params, buffer_sets)
         positions = [(iteration, 0, replica)
                      for iteration in range(layout.device_iterations)
@@ -218,24 +223,40 @@ class StagedExecution:
         stacked = self._stacked(inputs, positions, layout)
         self._schedule.run(stacked, len(positions))
         self._write_back(stacked, inputs, positions, layout)
+        if flags is not None:
+            for position, outputs in zip(positions, self._last.recorded):
+                flags.add_outputs(position, outputs)
         self._collect(collector, positions, layout)
 
     def run_training(self, state: TrainingState, inputs: List[torch.Tensor],
-                     layout: BatchLayout, collector: OutputCollector) -> None:
+                     layout: BatchLayout, collector: OutputCollector,
+                     progress: CallProgress,
+                     flags: Optional[StepFlags] = None) -> None:
         """One training call: D optimizer steps of G x R micro-batches
-        each."""
+        each (a step for ``progress`` per optimizer step; ``flags`` get
+        each update's floating-point flags)."""
         if self._processes is None:
-            self._run_steps(state, inputs, layout, collector)
+            self._run_steps(state, inputs, layout, collector, progress,
+                            flags)
             return
         with self._processes.monitor.explaining("the pipeline's call"):
             self._processes.check_same_inputs(inputs)
-            self._run_steps(state, inputs, layout, collector)
+            self._run_steps(state, inputs, layout, collector, progress,
+                            flags)
             self._processes.broadcast_from_owners(self._owned(state))
 
+    @property
+    def updated_positions(self) -> List[int]:
+        """The trainable positions this process's updates change."""
+        return self._update.positions
+
     def _run_steps(self, state: TrainingState, inputs: List[torch.Tensor],
-                   layout: BatchLayout, collector: OutputCollector) -> None:
+                   layout: BatchLayout, collector: OutputCollector,
+                   progress: CallProgress,
+                   flags: Optional[StepFlags]) -> None:
         training = self._training_layout
         for iteration in range(layout.device_iterations):
+            progress.step(iteration, 0, 0)
             self._view.rebind(training.merge(state.trainable, state.frozen),
                               state.buffer_sets)
             scaling = self._settings.attributes.bind(
@@ -254,7 +275,9 @@ class StagedExecution:
             grads = self._view.gradients(training.trainable)
             self._combine_over_processes(grads)
             self._collect(collector, positions, layout, state.trainable)
-            self._update(state, grads)
+            step_flags = self._update(state, grads)
+            if flags is not None and step_flags is not None:
+                flags.add(progress.position, step_flags)
         self._view.rebind(training.merge(state.trainable, state.frozen),
                           state.buffer_sets)
 
@@ -336,7 +359,8 @@ class _PartialUpdate:
                  partial: Optional[PartialGradients] = None,
                  reduce_gradients: Optional[Callable] = None) -> None:
         part, self._state, self._hyper = layout.restricted(positions)
-        self._positions = positions
+        self.positions = positions
+        self._flagged = settings.finite_checks and bool(positions)
         self._state_tail = layout.state_size()
         self._hyper_tail = layout.hyper_size()
         example = {"trainable": [example["trainable"][p] for p in positions],
@@ -354,21 +378,26 @@ class _PartialUpdate:
         return [flat[i] for i in self._hyper] + flat[self._hyper_tail:]
 
     def __call__(self, state: TrainingState,
-                 grads: List[torch.Tensor]) -> None:
+                 grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """Update ``state`` (trainable weights, optimizer state) with the
-        step's summed ``grads`` (all trainable positions)."""
-        params = [state.trainable[p] for p in self._positions]
-        result = self._step(*params, *[grads[p] for p in self._positions],
+        step's summed ``grads`` (all trainable positions); return the
+        update's floating-point flags when it checks them."""
+        params = [state.trainable[p] for p in self.positions]
+        result = self._step(*params, *[grads[p] for p in self.positions],
                             *self._state_of(state.optimizer),
                             *self._hyper_of(state.hyper))
+        flags = result[-1] if self._flagged else None
+        if self._flagged:
+            result = result[:-1]
         trainable, optimizer = list(state.trainable), list(state.optimizer)
-        for position, tensor in zip(self._positions, result):
+        for position, tensor in zip(self.positions, result):
             trainable[position] = tensor
         new_state = result[len(params):]
         indices = self._state + list(range(self._state_tail, len(optimizer)))
         for index, tensor in zip(indices, new_state):
             optimizer[index] = tensor
         state.trainable, state.optimizer = trainable, optimizer
+        return flags
 
 
 def _stacked(inputs: List[torch.Tensor],

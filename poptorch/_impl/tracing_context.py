@@ -1,9 +1,14 @@
 """What holds while a model is traced with fake tensors (``capture.trace``).
 
 * torch's fake tensors log an operation that fails on its inputs, with
-  torch's traceback, before raising; the failure reaches the user as a
-  ``poptorch.Error`` naming their source line (``compile_errors.py``), so
-  that log is filtered out.
+  torch's traceback, before raising; the failure reaches the user as
+  torch's own exception with a note naming their source line
+  (``compile_errors.py``), so that log is filtered out.
+* Real tensors that ``forward`` reads besides its inputs, parameters and
+  buffers (closure tensors, plain tensor attributes of modules) are
+  constants of the graph. ``ConstantsOnDevice`` puts them on the device the
+  model is captured for (``capture_device``), as PopTorch keeps every
+  tensor of a model on the IPU; on a CPU device they are there already.
 * ``torch.distributions`` checks its parameters and samples by default with
   Python conditions on tensor values (``if not valid.all(): raise``), which
   a graph of tensors without values cannot hold. Its default validation is
@@ -16,15 +21,67 @@
   graph, which the backend compiles whole.
 """
 import contextlib
+import contextvars
 import logging
 import warnings
-from typing import Iterator
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch._dynamo
 from torch.distributions import Distribution
+from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 _COMPILED_PART_HOOKS = "Using `torch.compile\\(module\\)` when there are global hooks"
+
+
+_device: contextvars.ContextVar = contextvars.ContextVar(
+    "poptorch_capture_device", default=None)
+
+
+@contextlib.contextmanager
+def capture_device(device: torch.device) -> Iterator[None]:
+    """Capture models for ``device`` in the block."""
+    token = _device.set(device)
+    try:
+        yield
+    finally:
+        _device.reset(token)
+
+
+_META = torch.device("meta")
+
+
+class ConstantsOnDevice(TorchFunctionMode):
+    """Each real tensor an operation reads that is not on the capture's
+    device is read as a copy on it, made once per capture (detached: a
+    constant receives no gradient). Fake tensors, and the meta tensors
+    they compute with, stay as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._device: Optional[torch.device] = _device.get()
+        self._copies: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._device is not None:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, self._on_device, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device in (self._device, _META) or is_fake(tensor):
+            return tensor
+        key = id(tensor)
+        if key not in self._copies:
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                # The original is kept so that its id is not reused.
+                self._copies[key] = (tensor,
+                                     tensor.detach().to(self._device))
+        return self._copies[key][1]
 
 
 class _MetaFailureFilter(logging.Filter):

@@ -33,6 +33,7 @@ from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace, trace_user_code)
 from .distributed.gradients import start_all_reduces_early
+from .floating_point_checks import step_flags
 from .names import (gradient_name, mark_named_tensors, optimizer_state_name,
                     updated_name)
 from .optimizers.global_attributes import (GlobalAttributes,
@@ -199,6 +200,7 @@ class StepSettings:
     """Compile-time constants of the training step."""
     gradients: GradientReduction     # the running buffer and its reduction
     attributes: GlobalAttributes     # loss scaling and clipping
+    finite_checks: bool = False      # floating-point exception flags
 
     @property
     def reduction(self) -> ReductionType:
@@ -231,7 +233,10 @@ def apply_rules(layout: TrainingLayout, params: List[torch.Tensor],
 def _apply_update(layout: TrainingLayout, settings: StepSettings,
                   scaling: StepScaling, trainable, grads, state, hyper):
     """New params, new optimizer state and the gradients the rules applied
-    (reduced, unscaled and clipped)."""
+    (reduced, unscaled and clipped). With nothing to train, the state
+    stays as it is."""
+    if not trainable:
+        return [], list(state), []
     grads = scaling.unscale(grads, settings.gradients.divisor())
     finite = scaling.finite(grads)
     grads = scaling.clip(grads)
@@ -276,17 +281,23 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
                         training_flags: Dict[str, bool], update: bool,
                         accumulated: bool,
                         forward: Optional[Callable] = None,
+                        combine_losses: Optional[Callable] = None,
                         reduce_gradients: Optional[Callable] = None
                         ) -> torch.fx.GraphModule:
     """Trace one micro-batch step; ``update`` selects the optimizer-step
     variant, ``accumulated`` whether a running gradient sum is an input.
     ``forward(params, buffers, inputs)`` replaces ``micro_batch_forward``
-    (replicas run it vectorised, see ``replication.py``);
+    (replicas run it vectorised, see ``replication.py``), and
+    ``combine_losses`` turns the losses it returns (one per replica) into
+    the value the backward pass starts from;
     ``reduce_gradients(grads)`` combines the step's gradients with other
     processes' before the update; its collectives start as soon as their
-    gradients exist (``distributed/gradients.py``)."""
+    gradients exist (``distributed/gradients.py``). With
+    ``settings.finite_checks`` the step also returns its floating-point
+    flags (``floating_point_checks.py``) before the model's outputs."""
     if forward is None:
         forward = functools.partial(micro_batch_forward, call, analysis)
+    check_gradients = settings.attributes.automatic is None
     running = (settings.gradients.start(example["trainable"])
                if accumulated else [])
     sizes = [len(example["trainable"]), len(example["frozen"]),
@@ -302,22 +313,33 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
         trainable = [t.detach().requires_grad_() for t in trainable]
         params = layout.merge(trainable, frozen)
         with torch.enable_grad(), call.bound(params, buffers):
-            value, outputs, written = forward(params, buffers, inputs)
+            losses, outputs, written = forward(params, buffers, inputs)
+            value = losses if combine_losses is None else \
+                combine_losses(losses)
             value = scaling.scale_loss(value,
                                        settings.gradients.loss_factor())
             grads = _gradients(value, trainable)
         outputs = [t.detach() for t in outputs]
         trainable = [t.detach() for t in trainable]
         if accumulated:
-            grads = settings.gradients.add(running, grads)
+            grads = (settings.gradients.add(running, grads) if trainable
+                     else running)
+        flags = []
         if not update:
-            return written + grads + outputs
+            if settings.finite_checks:
+                flags = [step_flags(losses, grads if check_gradients
+                                    else None, None, len(trainable))]
+            return written + grads + flags + outputs
+        checked = list(grads)
         grads = settings.gradients.gradients(grads)
         if reduce_gradients is not None:
             grads = reduce_gradients(grads)
         new_params, new_state, applied = _apply_update(
             layout, settings, scaling, trainable, grads, state, hyper)
-        return new_params + written + new_state + outputs + applied
+        if settings.finite_checks:
+            flags = [step_flags(losses, checked if check_gradients else None,
+                                new_params, len(trainable))]
+        return new_params + written + new_state + flags + outputs + applied
 
     flat = (example["trainable"] + example["frozen"] + example["buffers"] +
             example["state"] + example["hyper"] + running + example["inputs"])
@@ -408,9 +430,12 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
     sum, or the running mean; in the buffer's dtype). With ``partial``, the
     other processes hold the step's other gradients; ``reduce_gradients``
     combines the gradients with other processes' first (as in
-    ``trace_training_step``)."""
+    ``trace_training_step``). With ``settings.finite_checks`` and
+    parameters to update, the floating-point flags of the gradients and the
+    updated values follow (``floating_point_checks.py``; no loss flag)."""
     trainable = example["trainable"]
     sizes = [len(trainable), len(trainable), len(example["state"])]
+    check_gradients = settings.attributes.automatic is None
 
     def update(*flat):
         params, grads, state, hyper = split_flat(flat, sizes)
@@ -421,7 +446,12 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
                                            partial)
         new_params, new_state, _ = _apply_update(
             layout, settings, scaling, params, grads, state, hyper)
-        return new_params + new_state
+        flags = []
+        if settings.finite_checks and params:
+            flags = [step_flags(params[0].new_zeros(0),
+                                grads if check_gradients else None,
+                                new_params, len(params))]
+        return new_params + new_state + flags
 
     grads = settings.gradients.start(trainable)[:len(trainable)]
     return trace(update, trainable + grads + example["state"] +

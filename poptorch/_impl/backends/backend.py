@@ -26,6 +26,9 @@ class Backend(abc.ABC):
     #: gradients into the running gradient buffer that the device loop
     #: keeps (zeroed for each step) rather than make new gradient tensors.
     sums_gradients_in_buffer: bool = False
+    #: Whether compiled steps overwrite the inputs the caller donates
+    #: (``donation``) rather than leave every input as it was.
+    overwrites_donated_inputs: bool = False
 
     @abc.abstractmethod
     def compile(self, graph: torch.fx.GraphModule,

@@ -31,7 +31,8 @@ LoopBody = Callable[[List[torch.Tensor]], List[torch.Tensor]]
 def cuda_graph_reason(device: torch.device, requested: bool,
                       writes_inputs: bool, anchors: bool,
                       state_off_device: bool,
-                      all_reduces: bool) -> Optional[str]:
+                      all_reduces: bool,
+                      finite_checks: bool = False) -> Optional[str]:
     """Why calls cannot replay as a CUDA graph, or None when they can."""
     if not requested:
         return "not requested (setBackend(..., cuda_graphs=True))"
@@ -46,6 +47,9 @@ def cuda_graph_reason(device: torch.device, requested: bool,
         return "anchored tensors are read back after each call"
     if state_off_device:
         return "the optimizer state is kept off the device"
+    if finite_checks:
+        return ("floating-point exceptions are enabled: the device loop "
+                "keeps each step's flags")
     return None
 
 

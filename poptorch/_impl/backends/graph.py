@@ -31,6 +31,7 @@ class GraphBackend(Backend):
     #: New tensors as large as the weights cost page faults on every step;
     #: products added into the reused buffer (``accumulation.py``) do not.
     sums_gradients_in_buffer = True
+    overwrites_donated_inputs = True
 
     def compile(self, graph: torch.fx.GraphModule,
                 example_inputs: List[torch.Tensor],

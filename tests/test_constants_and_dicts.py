@@ -1,0 +1,153 @@
+"""Models reading constant tensors (closure tensors, plain tensor
+attributes) and taking dict arguments compute what plain PyTorch computes;
+dict arguments are matched by key, as PopTorch flattens them."""
+import collections
+
+import pytest
+import torch
+
+import poptorch
+from poptorch._impl import capture, tracing_context
+from conftest import options
+
+OFFSET = torch.tensor([0.5, -1.0, 2.0])
+
+
+class _Constants(torch.nn.Module):
+    """No parameter, buffer or tensor argument: a closure tensor and a
+    plain tensor attribute (not a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.arange(6.0).reshape(2, 3)
+
+    def forward(self, scale: float):
+        return self.table * scale + (OFFSET + OFFSET)
+
+
+def test_forward_of_constants_alone_is_captured():
+    module = _Constants()
+    model = poptorch.inferenceModel(module)
+    torch.testing.assert_close(model(2.0), module(2.0), atol=0, rtol=0)
+
+
+class _ConstantsWithLoss(_Constants):
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.ones(3, requires_grad=True)
+
+    def forward(self, scale: float):
+        out = self.table * scale * self.weights + OFFSET
+        return out, poptorch.identity_loss((out ** 2).mean(), "none")
+
+
+def test_training_on_constants_alone_updates_no_constant():
+    """A training model whose loss reads constants only returns PyTorch's
+    output and loss on every call; a constant is no parameter, so it gets
+    no gradient and keeps its value."""
+    module = _ConstantsWithLoss()
+    model = poptorch.trainingModel(module)
+    expected = module(3.0)
+    for _ in range(2):
+        out, loss = model(3.0)
+        torch.testing.assert_close(out, expected[0].detach(), atol=0, rtol=0)
+        torch.testing.assert_close(loss, expected[1].detach(), atol=0,
+                                   rtol=0)
+    torch.testing.assert_close(module.weights, torch.ones(3), atol=0, rtol=0)
+    assert module.weights.grad is None
+
+
+def test_constants_are_captured_on_the_capture_device():
+    """Real tensors on another device than the one the model is captured
+    for (the meta device stands in for a GPU) become constants on that
+    device, detached from autograd, as PopTorch keeps every tensor of a
+    model on the IPU."""
+    weights = torch.ones(3, requires_grad=True)
+
+    def forward(x):
+        with tracing_context.ConstantsOnDevice():
+            return x * OFFSET + weights
+
+    with tracing_context.capture_device(torch.device("meta")):
+        graph = capture.trace(forward, [torch.ones(3, device="meta")])
+    constants = [getattr(graph, node.target) for node in graph.graph.nodes
+                 if node.op == "get_attr"]
+    assert [(c.device.type, c.requires_grad) for c in constants] == [
+        ("meta", False), ("meta", False)]
+
+
+class _Fields(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, batch):
+        return self.fc(batch["image"]) - batch["bias"]
+
+
+def _batch(seed, container=dict, order=("image", "bias")):
+    generator = torch.Generator().manual_seed(seed)
+    values = {"image": torch.randn(4, 4, generator=generator),
+              "bias": torch.randn(4, 3, generator=generator)}
+    return container((key, values[key]) for key in order)
+
+
+class _Mapping(dict):
+    pass
+
+
+class _OrderedMapping(collections.OrderedDict):
+    pass
+
+
+def _defaultdict(items):
+    return collections.defaultdict(list, items)
+
+
+def test_dict_in_another_key_order_is_matched_by_key():
+    """D = 2; the second call's dict holds the keys in the other order, so
+    matching by position would swap image and bias; other keys are still a
+    changed structure."""
+    torch.manual_seed(0)
+    module = _Fields()
+    model = poptorch.inferenceModel(module, options(2))
+    for seed, order in enumerate([("image", "bias"), ("bias", "image")]):
+        batch = _batch(seed, order=order)
+        torch.testing.assert_close(model(batch), module(batch), atol=1e-6,
+                                   rtol=1e-5)
+    renamed = {"image": torch.randn(4, 4), "offset": torch.randn(4, 3)}
+    with pytest.raises(poptorch.Error, match="structure of the model's "
+                                             "arguments changed"):
+        model(renamed)
+
+
+@pytest.mark.parametrize("container", [collections.OrderedDict, _Mapping,
+                                       _OrderedMapping, _defaultdict],
+                         ids=["OrderedDict", "dict subclass",
+                              "OrderedDict subclass", "defaultdict"])
+def test_dict_types_behave_like_dict(container):
+    """A model compiled for a dict takes the other dict types in either key
+    order, and a model compiled for one of them takes a dict: the results
+    of plain PyTorch (atol 1e-6) on new values in every call."""
+    torch.manual_seed(0)
+    module = _Fields()
+    for first, second in [(dict, container), (container, dict)]:
+        model = poptorch.inferenceModel(module, options(2))
+        calls = [_batch(0, first), _batch(1, second, ("bias", "image")),
+                 _batch(2, second)]
+        for batch in calls:
+            torch.testing.assert_close(model(batch), module(batch),
+                                       atol=1e-6, rtol=1e-5)
+        model.destroy()
+
+
+def test_dict_subclass_output_keeps_its_structure():
+    class Outputs(torch.nn.Module):
+        def forward(self, x):
+            return _Mapping(doubled=x * 2, nested={"plus": x + 1})
+
+    x = torch.arange(4.0)
+    out = poptorch.inferenceModel(Outputs(), options(2))(x)
+    assert out.keys() == {"doubled", "nested"}
+    torch.testing.assert_close(out["doubled"], x * 2, atol=0, rtol=0)
+    torch.testing.assert_close(out["nested"]["plus"], x + 1, atol=0, rtol=0)
