@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from ..errors import Error
-from . import ctc_decoder
+from . import ctc_decoder, ctc_loss
 from .logger import info_once
 
 
@@ -517,6 +517,11 @@ class CPU:
         inline calls need no buffers."""
 
 
+#: Built-in PopART ops of the ai.graphcore domain that ``custom_op``
+#: reaches: (name) -> function(inputs, attributes) returning the outputs.
+_GRAPHCORE_OPS = {"Ctc": ctc_loss.graphcore_ctc}
+
+
 def _torch_operation(name: str, domain: str):
     """``torch.ops.<domain with dots as underscores>.<name>``, or None."""
     namespace = domain.replace(".", "_")
@@ -524,6 +529,24 @@ def _torch_operation(name: str, domain: str):
         return getattr(getattr(torch.ops, namespace), name)
     except (AttributeError, RuntimeError):
         return None
+
+
+def _registered_operation(function: str, name: str, domain: str):
+    """The op ``custom_op`` calls as ``operation(inputs, attributes)``."""
+    if domain == "ai.graphcore" and name in _GRAPHCORE_OPS:
+        return _GRAPHCORE_OPS[name]
+    operation = _torch_operation(name, domain)
+    if operation is None:
+        namespace = domain.replace(".", "_")
+        raise Error(
+            f"{function}: PopART custom ops are C++ libraries built against "
+            "PopART and Poplar, which cannot be loaded on CPU or GPU devices. "
+            f"Register the op as torch.ops.{namespace}.{name}, for instance "
+            f"with torch.library.custom_op(\"{namespace}::{name}\", ...) "
+            "(and register_autograd for training): poptorch.custom_op then "
+            "calls it with the inputs and the attributes as keyword "
+            "arguments")
+    return lambda inputs, attributes: operation(*inputs, **attributes)
 
 
 def custom_op(inputs, name: str, domain: str, domain_version: int,
@@ -537,20 +560,16 @@ def custom_op(inputs, name: str, domain: str, domain_version: int,
     ``torch.ops.custom_ops.LeakyRelu``, registered for instance with
     ``torch.library.custom_op("custom_ops::LeakyRelu", ...)``). It is
     called with the inputs and the attributes as keyword arguments, and its
-    outputs must have the types and shapes of ``example_outputs``."""
+    outputs must have the types and shapes of ``example_outputs``.
+
+    Built-in PopART ops of the ``ai.graphcore`` domain run as their
+    PyTorch equivalents: ``Ctc`` (the CTC loss, ``ctc_loss.py``; inputs
+    log_probs, targets, input_lengths, target_lengths; attributes
+    ``blank``, ``reduction`` as a ``poptorch.ReductionType`` number and
+    ``zeroInfinity``)."""
     function = f"poptorch.custom_op({name!r}, domain {domain!r})"
-    namespace = domain.replace(".", "_")
-    operation = _torch_operation(name, domain)
-    if operation is None:
-        raise Error(
-            f"{function}: PopART custom ops are C++ libraries built against "
-            "PopART and Poplar, which cannot be loaded on CPU or GPU devices. "
-            f"Register the op as torch.ops.{namespace}.{name}, for instance "
-            f"with torch.library.custom_op(\"{namespace}::{name}\", ...) "
-            "(and register_autograd for training): poptorch.custom_op then "
-            "calls it with the inputs and the attributes as keyword "
-            "arguments")
-    outputs = operation(*inputs, **dict(attributes or {}))
+    operation = _registered_operation(function, name, domain)
+    outputs = operation(list(inputs), dict(attributes or {}))
     if isinstance(outputs, torch.Tensor):
         outputs = [outputs]
     outputs = list(outputs)

@@ -19,6 +19,9 @@
   written (dynamo's ``error_on_nested_fx_trace`` off: a compiled function
   met while tracing is inlined); the capture traces them into the model's
   graph, which the backend compiles whole.
+* ``F.ctc_loss`` (``nn.CTCLoss``) runs as the static-shape CTC loss of
+  ``ctc_loss.py``: PyTorch's kernel sizes its workspace by the targets'
+  lengths, values a graph of fake tensors does not have.
 """
 import contextlib
 import contextvars
@@ -32,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
+
+from .ctc_loss import static_ctc_loss
 
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 _COMPILED_PART_HOOKS = "Using `torch.compile\\(module\\)` when there are global hooks"
@@ -100,7 +105,7 @@ def fake_tracing() -> Iterator[None]:
     Distribution.set_default_validate_args(False)
     try:
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
-                warnings.catch_warnings():
+                warnings.catch_warnings(), static_ctc_loss():
             # Automatic casting's global module hooks fire twice for a
             # compiled part, which torch warns of; its scopes stay balanced.
             warnings.filterwarnings("ignore", message=_COMPILED_PART_HOOKS)
