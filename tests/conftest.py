@@ -1,5 +1,6 @@
 """Shared models, data and the plain-PyTorch reference loop."""
 import copy
+import io
 import logging
 import socket
 
@@ -45,6 +46,32 @@ class BatchNormNet(torch.nn.Module):
         h = torch.relu(self.bn(self.conv(x)))
         out = self.fc(h.flatten(1))
         return out, torch.nn.functional.cross_entropy(out, y)
+
+
+class TwoBlocksNet(torch.nn.Module):
+    """Two blocks on IPUs 0 and 1 (a multi-stage model), a BatchNorm in the
+    first."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("A", ipu_id=0):
+            h = self.bn(torch.relu(self.fc1(x)))
+        with poptorch.Block("B", ipu_id=1):
+            out = self.fc2(h)
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def checkpoint(value):
+    """``value`` through torch.save / torch.load, as a checkpoint file."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
 
 
 def make_data(rows, features=4, classes=3, seed=0):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import poptorch
-from conftest import (BatchNormNet, ClassifierMLP, assert_same_weights,
-                      make_data, make_images, options, reference_training)
+from conftest import (BatchNormNet, ClassifierMLP, TwoBlocksNet,
+                      assert_same_weights, make_data, make_images, options,
+                      reference_training)
 
 
 def sgd(module):
@@ -286,28 +287,11 @@ def test_ctrl_c_ends_the_call_between_two_steps_and_rolls_it_back(tmp_path):
 
 # --- multi-stage models -------------------------------------------------------
 
-class TwoStages(torch.nn.Module):
-    """Two blocks on IPUs 0 and 1, a BatchNorm in the first."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(4, 8)
-        self.bn = torch.nn.BatchNorm1d(8)
-        self.fc2 = torch.nn.Linear(8, 3)
-
-    def forward(self, x, y):
-        with poptorch.Block("first", ipu_id=0):
-            h = torch.relu(self.bn(self.fc1(x)))
-        with poptorch.Block("second", ipu_id=1):
-            out = self.fc2(h)
-            return out, torch.nn.functional.cross_entropy(out, y)
-
-
 @pytest.mark.parametrize("strategy", [poptorch.ShardedExecution,
                                       poptorch.PipelinedExecution])
 def test_a_multi_stage_model_rolls_a_failed_call_back(strategy):
     torch.manual_seed(0)
-    net = TwoStages()
+    net = TwoBlocksNet()
     optimizer = sgd(net)
     opts = _fp_options(2, accumulation=3)
     opts.setExecutionStrategy(strategy(poptorch.AutoStage.SameAsIpu))

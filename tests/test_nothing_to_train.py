@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import poptorch
-from conftest import (BatchNormNet, assert_same_weights, make_images,
-                      options)
+from conftest import (BatchNormNet, TwoBlocksNet, assert_same_weights,
+                      make_images, options)
 
 
 class _WithUnusedLayer(BatchNormNet):
@@ -91,28 +91,13 @@ def test_model_without_parameters_returns_outputs_and_loss():
                                atol=1e-6, rtol=1e-5)
 
 
-class _TwoStages(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(4, 8)
-        self.bn = torch.nn.BatchNorm1d(8)
-        self.fc2 = torch.nn.Linear(8, 3)
-
-    def forward(self, x, y):
-        with poptorch.Block("A", ipu_id=0):
-            h = self.bn(torch.relu(self.fc1(x)))
-        with poptorch.Block("B", ipu_id=1):
-            out = self.fc2(h)
-            return out, torch.nn.functional.cross_entropy(out, y)
-
-
 @pytest.mark.parametrize("strategy", [poptorch.PipelinedExecution,
                                       poptorch.ShardedExecution])
 def test_frozen_multi_stage_model_runs_forward_and_writes_buffers(strategy):
     """Two stages, D = 2, G = 3: PyTorch's outputs, losses and BatchNorm
     running statistics (atol 1e-6), no update."""
     torch.manual_seed(0)
-    net = _TwoStages()
+    net = TwoBlocksNet()
     _frozen(net)
     reference = copy.deepcopy(net)
     model = poptorch.trainingModel(

@@ -15,15 +15,14 @@ slow; G = 1 runs by default.
 """
 import copy
 import dataclasses
-import io
 import logging
 
 import pytest
 import torch
 
 import poptorch
-from conftest import (ClassifierMLP, assert_same_weights, make_data, options,
-                      reference_training)
+from conftest import (ClassifierMLP, assert_same_weights, checkpoint,
+                      make_data, options, reference_training)
 from poptorch._impl.optimizers import loss_scaling
 
 ATOL = 1e-5
@@ -345,14 +344,6 @@ def test_post_and_loss_is_deprecated(poptorch_log, mlp):
 
 
 # --- 3. optimizer state in and out --------------------------------------------
-
-def checkpoint(value):
-    """``value`` through torch.save / torch.load, as a checkpoint file."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return torch.load(buffer)
-
 
 RESUMABLE = {
     "sgd-momentum": lambda p: P.SGD(p, lr=0.05, momentum=0.9,

@@ -16,13 +16,12 @@ state, rounded to float16) at atol=rtol=1e-3: one float16 rounding step of
 weights below 1. Resuming is compared bit for bit.
 """
 import copy
-import io
 
 import pytest
 import torch
 
 import poptorch
-from conftest import options
+from conftest import checkpoint, options
 
 P, T = poptorch.optim, torch.optim
 
@@ -151,14 +150,6 @@ def test_float16_updates_match_torch_with_float32_state(case):
 
 
 # --- float32 state through state dicts ---------------------------------------
-
-def checkpoint(value):
-    """``value`` through torch.save / torch.load, as a checkpoint file."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return torch.load(buffer)
-
 
 RESUMABLE = {
     "poptorch-adam": lambda p: P.Adam(p, lr=1e-3),
