@@ -300,13 +300,16 @@ def test_a_multi_stage_model_rolls_a_failed_call_back(strategy):
     before = device_state(model, optimizer)
     x, y = make_data(2 * 3 * 4, seed=1)
     y[13] = 7
-    with pytest.raises(IndexError, match="out of bounds"):
+    with pytest.raises(IndexError, match="out of bounds") as raised:
         model(x, y)
+    assert "in device iteration 1 of 2 (an optimizer step through the " \
+        "model's stages)" in "\n".join(raised.value.__notes__)
     assert_state_unchanged(model, optimizer, before)
     x, y = make_data(2 * 3 * 4, seed=1)
     x[15] = float("nan")
-    with pytest.raises(poptorch.Error, match="the gradient of fc1.weight is "
-                                             "not finite in the optimizer "
-                                             "step of device iteration 1"):
+    with pytest.raises(poptorch.Error, match=r"the gradient of fc1.weight "
+                                             r"\(stage 0\) is not finite in "
+                                             "the optimizer step of device "
+                                             "iteration 1"):
         model(x, y)
     assert_state_unchanged(model, optimizer, before)

@@ -479,7 +479,9 @@ class PoplarExecutor(CompiledExecutionMethods):
             snapshot.restore(self._state, self._rng)
             if not isinstance(error, Error):
                 failed_calls.explain(
-                    error, progress, self._layout, self._staged is None and
+                    error, progress, self._layout,
+                    staged=self._staged is not None,
+                    replica_known=self._staged is None and
                     self._replicas.step_losses == 1)
             raise
         return outputs
@@ -503,12 +505,12 @@ class PoplarExecutor(CompiledExecutionMethods):
             return None
         if not self._training:
             return StepFlags([], 1, outputs=True)
-        names = [self._state.param_names[i]
-                 for i in self._training_layout.trainable]
         if self._staged is not None:
-            return StepFlags([names[p] for p in
-                              self._staged.updated_positions], 0)
-        return StepFlags(names, self._replicas.step_losses)
+            return StepFlags(
+                self._staged.updated_names(self._state.param_names), 0)
+        return StepFlags([self._state.param_names[i]
+                          for i in self._training_layout.trainable],
+                         self._replicas.step_losses)
 
     def _replays_cuda_graph(self) -> bool:
         """Whether this call replays as a CUDA graph (decided on the first

@@ -111,16 +111,20 @@ class CallSnapshot:
 
 
 def explain(error: BaseException, progress: CallProgress, layout,
-            replica_known: bool) -> None:
+            staged: bool, replica_known: bool) -> None:
     """Add a note to ``error`` saying where in the call it was raised and
-    that the call was rolled back; ``replica_known``: each step runs one
-    replica (not all of them as one computation)."""
+    that the call was rolled back. ``staged``: a multi-stage model, whose
+    steps are optimizer steps (all their micro-batches through the
+    stages); ``replica_known``: each step runs one replica (not all of them
+    as one computation)."""
     where = "before the call's first step"
     if progress.position is not None:
         iteration, micro_batch, replica = progress.position
         where = ("before the step of" if progress.interrupted else "in")
         where += f" device iteration {iteration} of {layout.device_iterations}"
-        if layout.gradient_accumulation > 1:
+        if staged:
+            where += " (an optimizer step through the model's stages)"
+        elif layout.gradient_accumulation > 1:
             where += (f", micro-batch {micro_batch} of "
                       f"{layout.gradient_accumulation}")
         if layout.replicas > 1 and replica_known:

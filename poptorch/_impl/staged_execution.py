@@ -245,10 +245,18 @@ class StagedExecution:
                             flags)
             self._processes.broadcast_from_owners(self._owned(state))
 
-    @property
-    def updated_positions(self) -> List[int]:
-        """The trainable positions this process's updates change."""
-        return self._update.positions
+    def updated_names(self, param_names: Sequence[str]) -> List[str]:
+        """The names of the parameters this process's updates change, in
+        the order of the update's floating-point flags, each with the
+        stage that reads it (``fc1.weight (stage 0)``)."""
+        trainable = self._training_layout.trainable
+        names = []
+        for position in self._update.positions:
+            index = trainable[position]
+            stages = ", ".join(str(s) for s in self._owners[index])
+            plural = "s" if len(self._owners[index]) > 1 else ""
+            names.append(f"{param_names[index]} (stage{plural} {stages})")
+        return names
 
     def _run_steps(self, state: TrainingState, inputs: List[torch.Tensor],
                    layout: BatchLayout, collector: OutputCollector,
