@@ -12,6 +12,9 @@ from .enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
 from .errors import Error, RecoverableError, UnrecoverableError
 from .options import Options, TensorLocationSettings
 from ._impl.capture import isRunningOnIpu
+from ._impl.compile_hooks import (registerPostCompileHook,
+                                  registerPreCompileHook)
+from ._impl.custom_args import ICustomArgParser, registerCustomArgParser
 from ._impl.devices import ipuHardwareIsAvailable, ipuHardwareVersion
 from ._impl.executor import PoplarExecutor
 from ._impl.logger import setLogLevel
@@ -21,11 +24,11 @@ from ._impl.serialization.loading import load
 from . import autocasting, optim, profiling
 from .autocasting import autocast
 from ._impl.blocks import BeginBlock, Block, BlockFunction, NameScope, removeBlocks
-from ._impl.ops import (CPU, MultiConv, ctc_beam_search_decoder, custom_op,
-                        dynamic_slice, for_loop, ipu_print_tensor, nop,
-                        recomputationCheckpoint, serializedMatMul,
-                        set_available_memory, set_overlap_for_input,
-                        set_overlap_for_output)
+from ._impl.ops import (CPU, MultiConv, cond, ctc_beam_search_decoder,
+                        custom_op, dynamic_slice, dynamic_update, for_loop,
+                        ipu_print_tensor, nop, recomputationCheckpoint,
+                        serializedMatMul, set_available_memory,
+                        set_overlap_for_input, set_overlap_for_output)
 from ._impl.strategies import (ParallelPhasedExecution, Phase,
                                PipelinedExecution, SerialPhasedExecution,
                                ShardedExecution, Stage)

@@ -1,7 +1,8 @@
 """PopTorch optimizers (API reference 11.6, user guide "Optimizers").
 
 ``SGD``, ``Adam``, ``AdamW`` and ``RMSprop`` subclass the matching
-torch.optim class; ``LAMB`` subclasses ``torch.optim.Optimizer``. Every
+torch.optim class; ``LAMB`` subclasses ``torch.optim.Optimizer``. All five
+also subclass ``poptorch.optim.Optimizer``, their common base class. Every
 constructor argument left at None takes the documented default (torch's
 default for torch's arguments). Besides torch's hyper-parameters they have
 PopTorch's extra attributes (``loss_scaling``, ``velocity_scaling``,
@@ -40,7 +41,8 @@ from ._impl.optimizers import adam, lamb, rmsprop, sgd
 from ._impl.optimizers.poptorch_optimizer import PoptorchOptimizer, VariableAttributes
 from .errors import Error
 
-__all__ = ["VariableAttributes", "SGD", "Adam", "AdamW", "RMSprop", "LAMB"]
+__all__ = ["VariableAttributes", "Optimizer", "SGD", "Adam", "AdamW",
+           "RMSprop", "LAMB"]
 
 _ADAM_EXTRAS = {
     "loss_scaling": 1.0,
@@ -51,7 +53,13 @@ _ADAM_EXTRAS = {
 }
 
 
-class SGD(PoptorchOptimizer, torch.optim.SGD):
+class Optimizer(PoptorchOptimizer):
+    """The base class of the PopTorch optimizers: ``isinstance(optimizer,
+    poptorch.optim.Optimizer)`` tells them from torch.optim ones. Each
+    PopTorch optimizer also subclasses a ``torch.optim`` class."""
+
+
+class SGD(Optimizer, torch.optim.SGD):
     """Stochastic gradient descent with optional momentum, as
     torch.optim.SGD, with optional loss and velocity scaling.
 
@@ -111,7 +119,7 @@ class SGD(PoptorchOptimizer, torch.optim.SGD):
         self._finish()
 
 
-class Adam(PoptorchOptimizer, torch.optim.Adam):
+class Adam(Optimizer, torch.optim.Adam):
     """Adam, as torch.optim.Adam, with optional loss scaling, accumulation
     types for the gradients and both moments (``accum_type``,
     ``first_order_momentum_accum_type``, ``second_order_momentum_accum_type``,
@@ -150,7 +158,7 @@ class Adam(PoptorchOptimizer, torch.optim.Adam):
         self._finish()
 
 
-class AdamW(PoptorchOptimizer, torch.optim.AdamW):
+class AdamW(Optimizer, torch.optim.AdamW):
     """Adam with decoupled weight decay, as torch.optim.AdamW, with optional
     loss scaling, accumulation types (float32 by default) and gradient
     clipping. ``bias_correction=False`` drops Adam's bias corrections
@@ -187,7 +195,7 @@ class AdamW(PoptorchOptimizer, torch.optim.AdamW):
         self._finish()
 
 
-class RMSprop(PoptorchOptimizer, torch.optim.RMSprop):
+class RMSprop(Optimizer, torch.optim.RMSprop):
     """RMSprop with optional L2 penalty, as torch.optim.RMSprop, with
     optional loss scaling and accumulation types (float32 by default:
     ``second_order_momentum_accum_type`` for the average of squared
@@ -237,7 +245,7 @@ class RMSprop(PoptorchOptimizer, torch.optim.RMSprop):
         self._finish()
 
 
-class LAMB(PoptorchOptimizer, torch.optim.Optimizer):
+class LAMB(Optimizer, torch.optim.Optimizer):
     """Layer-wise Adaptive Moments (LAMB), biased version by default.
 
     From "Large Batch Optimization for Deep Learning: Training BERT in 76

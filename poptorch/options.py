@@ -143,6 +143,10 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "useIpuModel": Effect(
         NO_EFFECT, "there is no IPU to simulate; the model runs on its "
         "PyTorch device"),
+    "updatableNamedBuffers": Effect(
+        IMPLEMENTED, "copyNamedBuffersToDevice() copies these buffers of the "
+        "host module to the device, leaving the other weights there as they "
+        "are"),
     "useOfflineIpuTarget": Effect(
         IMPLEMENTED, "sets connectionType(Never): models compile and export "
         "(compileAndExport) but do not run; poptorch.load runs them"),
@@ -575,6 +579,10 @@ class _TrainingOptions(_OptionsGroup):
     convolution_dithering = _read_only(
         "convolution_dithering", "Whether convolution dithering is enabled "
         "(default False).")
+    meanAccumulationAndReplicationReductionStrategy = _read_only(
+        "mean_accumulation_and_replication_reduction_strategy",
+        "PopTorch's name of mean_accumulation_and_replication_reduction_"
+        "strategy.")
 
     def gradientAccumulation(self, gradient_accumulation: int
                              ) -> "_TrainingOptions":
@@ -881,6 +889,10 @@ class _DistributedOptions(_OptionsGroup):
     numProcesses = _read_only(
         "numProcesses", "Total number of processes the execution is "
         "distributed over.")
+    distributed_process_id = _read_only(
+        "processId", "PopTorch's other name of processId.")
+    num_distributed_processes = _read_only(
+        "numProcesses", "PopTorch's other name of numProcesses.")
 
     def _read_environment(self) -> None:
         for size_variable, rank_variable in _PROCESS_ENVIRONMENTS:
@@ -986,6 +998,7 @@ class Options(_OptionsGroup):
         "synthetic_data": False,
         "sync_pattern": SyncPattern.Full,
         "available_memory_proportion": {},
+        "updatable_named_buffers": [],
     }
 
     def __init__(self) -> None:
@@ -1117,6 +1130,9 @@ class Options(_OptionsGroup):
     available_memory_proportion = _read_only(
         "available_memory_proportion", "'IPU<n>' -> proportion of temporary "
         "memory (default empty).")
+    updatable_named_buffers = _read_only(
+        "updatable_named_buffers", "Names of the buffers "
+        "copyNamedBuffersToDevice() copies (default empty).")
 
     @property
     def use_ipu_model(self) -> bool:
@@ -1234,6 +1250,18 @@ class Options(_OptionsGroup):
         _check_bool("broadcastBuffers", broadcast_buffers)
         return self._store("broadcastBuffers",
                            broadcast_buffers=broadcast_buffers)
+
+    def updatableNamedBuffers(self, buffers: List[str]) -> "Options":
+        """Named buffers of the model that ``copyNamedBuffersToDevice()``
+        copies from the host to the device: a subset of the weights can be
+        updated instead of all of them, as ``copyWeightsToDevice()``
+        does."""
+        if not isinstance(buffers, (list, tuple)) or not all(
+                isinstance(name, str) for name in buffers):
+            raise _invalid("updatableNamedBuffers", "a list of buffer names "
+                           "(str)", buffers)
+        return self._store("updatableNamedBuffers",
+                           updatable_named_buffers=list(buffers))
 
     def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> "Options":
         """Round the number of IPUs up to a power of 2 instead of raising."""

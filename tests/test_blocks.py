@@ -489,3 +489,61 @@ def test_an_ipu_id_written_as_a_string_is_accepted():
 
     _, records = capture(function, torch.randn(2))
     assert records == [BlockRecord("A", 1, 0)]
+
+
+def test_block_start_begins_a_block_lasting_until_the_next_one():
+    """The keys ``Block.start`` gives last until the enclosing scope closes
+    (here a name scope); propagation extends the block from there."""
+    def function(x):
+        x = torch.sin(x)
+        Block.start("A", ipu_id=0)
+        x = torch.cos(x)
+        with NameScope("inner"):
+            Block.start("B", ipu_id=1)
+            x = torch.tanh(x)
+        return torch.exp(x)
+
+    graph, records = capture(function, torch.randn(2))
+    assert records == [BlockRecord("A", 0, 0), BlockRecord("B", 1, 1)]
+    assert block_of(graph, aten.cos.default) == ("A", 0)
+    assert block_of(graph, aten.tanh.default) == ("B", 1)
+    assert block_of(graph, aten.exp.default) == ("A", 0)
+    blocks.propagate_block_annotations(graph.graph.nodes)
+    assert block_of(graph, aten.sin.default) == (None, None)
+    assert block_of(graph, aten.exp.default) == ("B", 1)
+    assert "custom" not in fx_traceback.current_meta
+
+
+def test_block_start_takes_automatic_ids_and_integer_ids():
+    def function(x):
+        Block.useAutoId()
+        Block.start()
+        x = torch.sin(x)
+        with Block():
+            x = torch.cos(x)
+        Block.start(7, ipu_id=1)
+        return torch.tanh(x)
+
+    graph, records = capture(function, torch.randn(2))
+    assert [r.user_id for r in records] == ["0", "1", "7"]
+    assert block_of(graph, aten.tanh.default) == ("7", 1)
+
+
+def test_block_start_inside_another_block_scope_is_an_error():
+    def function(x):
+        with Block("A"):
+            Block.start("B")
+            return torch.sin(x)
+
+    with pytest.raises(Error, match="Block.start 'B' begins inside Block "
+                                    "'A'"):
+        capture(function, torch.randn(2))
+
+
+def test_block_start_outside_a_capture_does_nothing():
+    Block.start("A", ipu_id=0)
+    assert "custom" not in fx_traceback.current_meta
+    _, records = capture(torch.sin, torch.randn(2))
+    assert records == []
+    with pytest.raises(Error, match="Block.start: ipu_id must be"):
+        Block.start("A", ipu_id=-1)

@@ -72,6 +72,7 @@ EXAMPLE_CALLS = {
     "showCompilationProgressBar": (False,),
     "sourceLocationExcludes": (["mylib/"],),
     "syncPattern": (SyncPattern.SinglePipeline,),
+    "updatableNamedBuffers": (["bn.running_mean"],),
     "useIpuId": (1,),
     "useIpuModel": (True,),
     "useOfflineIpuTarget": (21,),
@@ -765,6 +766,131 @@ def test_rejected_setter_in_file_leaves_options_unchanged(tmp_path):
 def test_load_from_missing_file_raises(tmp_path):
     with pytest.raises(ConfigFileError, match="Cannot read options file"):
         Options().loadFromFile(tmp_path / "missing.conf")
+
+
+#: What each setter of EXAMPLE_CALLS makes readable, as attribute paths
+#: (from the options, or from the TensorLocationSettings a setter is called
+#: on) with the value they read: the snake_case properties and the names
+#: PopTorch gives to some values.
+READ_AS = {
+    "anchorTensor": {"anchored_tensors": {"loss": ("Loss:0", OutputMode.All,
+                                                   1)}},
+    "appendToLocationExcludes": {"source_location_excludes": [
+        "torch/", "poptorch/", "<frozen", "site-packages/"]},
+    "autoRoundNumIPUs": {"auto_round_num_ipus": True},
+    "broadcastBuffers": {"broadcast_buffers": False},
+    "connectionType": {"connection_type": ConnectionType.OnDemand},
+    "deviceIterations": {"device_iterations": 3},
+    "disableModuleNamescope": {"module_namescope": False},
+    "enableExecutableCaching": {"executable_cache_dir": "/tmp/cache"},
+    "enableProfiling": {"profile_dir": "profiles"},
+    "enableStableNorm": {"stable_norm": True},
+    "enableSyntheticData": {"synthetic_data": True},
+    "inputReplicaGrouping": {"input_group_size": 2,
+                             "input_group_type": CommGroupType.Orthogonal},
+    "logCycleCount": {"log_cycle_count": True},
+    "logDir": {"log_dir": "logs"},
+    "maxRepeatLogs": {"max_repeat_logs": None},
+    "modelName": {"model_name": "net"},
+    "outputMode": {"output_mode": OutputMode.EveryN,
+                   "output_return_period": 2},
+    "randomSeed": {"random_seed": 42},
+    "relaxOptimizerAttributesChecks": {
+        "relax_optimizer_attributes_checks": True},
+    "replicationFactor": {"replication_factor": 2},
+    "setAvailableMemoryProportion": {
+        "available_memory_proportion": {"IPU0": 0.3}},
+    "setBackend": {"backend": "inductor", "cuda_graphs": True},
+    "setExecutionStrategy": {
+        "execution_strategy": EXAMPLE_CALLS["setExecutionStrategy"][0]},
+    "showCompilationProgressBar": {"show_compilation_progress_bar": False},
+    "sourceLocationExcludes": {"source_location_excludes": ["mylib/"]},
+    "syncPattern": {"sync_pattern": SyncPattern.SinglePipeline},
+    "updatableNamedBuffers": {"updatable_named_buffers":
+                              ["bn.running_mean"]},
+    "useIpuId": {"ipu_id": 1},
+    "useIpuModel": {"use_ipu_model": True},
+    "useOfflineIpuTarget": {"offline_ipu_version": 21,
+                            "connection_type": ConnectionType.Never},
+    "Training.gradientAccumulation": {"Training.gradient_accumulation": 4},
+    "Training.accumulationAndReplicationReductionType": {
+        "Training.accumulation_and_replication_reduction_type":
+            ReductionType.Sum},
+    "Training.setMeanAccumulationAndReplicationReductionStrategy": {
+        "Training.mean_accumulation_and_replication_reduction_strategy":
+            MeanReductionStrategy.Running,
+        "Training.meanAccumulationAndReplicationReductionStrategy":
+            MeanReductionStrategy.Running},
+    "Training.setAutomaticLossScaling": {"Training.auto_loss_scaling": True},
+    "Training.setConvolutionDithering": {
+        "Training.convolution_dithering": True},
+    "Precision.autocastEnabled": {"Precision.autocast_enabled": False},
+    "Precision.autocastPolicy": {
+        "Precision.autocast_policy": EXAMPLE_CALLS[
+            "Precision.autocastPolicy"][0]},
+    "Precision.enableFloatingPointExceptions": {
+        "Precision.floating_point_exceptions": True},
+    "Precision.enableStochasticRounding": {
+        "Precision.stochastic_rounding": True},
+    "Precision.halfFloatCasting": {
+        "Precision.half_float_casting":
+            HalfFloatCastingBehavior.HalfUpcastToFloat},
+    "Precision.runningStatisticsAlwaysFloat": {
+        "Precision.running_statistics_always_float": False},
+    "Precision.setPartialsType": {"Precision.partials_type": torch.half},
+    "Jit.traceModel": {"Jit.trace_model": True},
+    "TensorLocations.numIOTiles": {"TensorLocations.num_io_tiles": 32},
+    "TensorLocations.setActivationLocation": {
+        "TensorLocations.activation_location":
+            TensorLocationSettings(on_chip=False)},
+    "TensorLocations.setWeightLocation": {
+        "TensorLocations.weight_location":
+            TensorLocationSettings(replicated_tensor_sharding=True)},
+    "TensorLocations.setOptimizerLocation": {
+        "TensorLocations.optimizer_location": TensorLocationSettings()},
+    "TensorLocations.setAccumulatorLocation": {
+        "TensorLocations.accumulator_location": TensorLocationSettings()},
+    "TensorLocationSettings.useOnChipStorage": {"on_chip": False},
+    "TensorLocationSettings.useReplicatedTensorSharding": {
+        "replicated_tensor_sharding": True},
+    "TensorLocationSettings.minElementsForOffChip": {
+        "min_elements_for_off_chip": 128},
+    "TensorLocationSettings.minElementsForReplicatedTensorSharding": {
+        "min_elements_for_replicated_tensor_sharding": 64},
+    "TensorLocationSettings.useIOTilesToLoad": {"io_tiles_to_load": True},
+    "TensorLocationSettings.useIOTilesToStore": {"io_tiles_to_store": True},
+    "Distributed.configureProcessId": {
+        "Distributed.processId": 1, "Distributed.numProcesses": 2,
+        "Distributed.distributed_process_id": 1,
+        "Distributed.num_distributed_processes": 2},
+    "Distributed.disable": {
+        "Distributed.processId": 0, "Distributed.numProcesses": 1,
+        "Distributed.distributed_process_id": 0,
+        "Distributed.num_distributed_processes": 1},
+    "Distributed.setEnvVarNames": {
+        "Distributed.processId": 3, "Distributed.numProcesses": 4,
+        "Distributed.distributed_process_id": 3,
+        "Distributed.num_distributed_processes": 4},
+    "_Popart.set": {"_Popart.options": {"outlineThreshold": 10.0}},
+    "_Popart.setEngineOptions": {"_Popart.engine_options": {
+        "opt.internalExchangeOptimisationTarget": "balanced"}},
+    "_Popart.setPatterns": {"_Popart.patterns": {"PreUniRepl": False},
+                            "_Popart.patterns_level": 1},
+}
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLE_CALLS))
+def test_every_setter_is_readable_as_attributes(path):
+    assert set(READ_AS) == set(EXAMPLE_CALLS)
+    opts = _with_stored_settings()
+    _call(opts, path)
+    owner = (opts.TensorLocations.weight_location
+             if path.startswith("TensorLocationSettings.") else opts)
+    for attribute, expected in READ_AS[path].items():
+        value = owner
+        for name in attribute.split("."):
+            value = getattr(value, name)
+        assert value == expected, attribute
 
 
 # --- Effects table, docs and logging ---

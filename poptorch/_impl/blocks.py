@@ -25,8 +25,16 @@ raises ``poptorch.Error`` during capture. A ``BeginBlock`` module may
 contain other blocks: its sub-modules "will be part of this block until a
 sub-module is modified to be in another block".
 
+``Block.start`` begins a block with no scope, at that point of ``forward``:
+the operations traced after it carry the block's keys until the enclosing
+scope (a module's ``forward``, a block or a name scope) closes, and
+``propagate_block_annotations`` extends the block from there until the next
+block begins. ``torch.ops.poptorch.begin_ipu_block`` (``ops.py``) begins a
+block the same way.
+
 Outside a capture the annotations are harmless context managers: the model
-runs on the host exactly as without them, and no rule is checked.
+runs on the host exactly as without them, and no rule is checked;
+``Block.start`` does nothing there.
 
 The executor wraps each capture in ``begin_capture()`` /
 ``end_capture()``; the latter returns the blocks met, in order of first
@@ -190,18 +198,46 @@ def end_capture() -> List[BlockRecord]:
     return records
 
 
-def _enter_block(scope: _BlockScope, owner: object) -> None:
+def _begin(scope: _BlockScope) -> Dict[str, object]:
+    """Begin the block ``scope`` describes (checked and recorded during a
+    capture); the annotation keys of its operations."""
     user_id = _recorder.user_id_of(scope)
     if _recorder.capturing:
         _recorder.check_nesting(scope, user_id)
         _recorder.record(user_id, scope.ipu_id)
-    annotation = fx_traceback.annotate({BLOCK_KEY: user_id,
-                                        IPU_KEY: scope.ipu_id,
-                                        ENTRY_KEY: _recorder.next_entry})
+    keys = {BLOCK_KEY: user_id, IPU_KEY: scope.ipu_id,
+            ENTRY_KEY: _recorder.next_entry}
     _recorder.next_entry += 1
+    return keys
+
+
+def _enter_block(scope: _BlockScope, owner: object) -> None:
+    keys = _begin(scope)
+    annotation = fx_traceback.annotate(keys)
     annotation.__enter__()
-    _recorder.open_blocks.append(_OpenBlock(scope, user_id, owner,
+    _recorder.open_blocks.append(_OpenBlock(scope, keys[BLOCK_KEY], owner,
                                             annotation))
+
+
+def start_block(scope: _BlockScope) -> None:
+    """During a capture, begin the block ``scope`` describes at this point:
+    the operations traced next carry its keys until the enclosing
+    annotation scope closes (which restores the keys it began with); the
+    capture's ``preserve_node_meta`` drops them at its end. Outside a
+    capture, nothing."""
+    if not _recorder.capturing:
+        return
+    keys = _begin(scope)
+    meta = fx_traceback.current_meta
+    meta["custom"] = {**meta.get("custom", {}), **keys}
+
+
+def start_ipu_block(stage_id: int, ipu_id: int) -> None:
+    """``Block.start`` for PopTorch's ``begin_ipu_block`` op: the block
+    named ``str(stage_id)``, on IPU ``ipu_id`` (on none when negative)."""
+    kind = "begin_ipu_block"
+    ipu = None if ipu_id < 0 else _check_ipu_id(kind, ipu_id)
+    start_block(_BlockScope(kind, _check_user_id(kind, stage_id), ipu))
 
 
 def _exit_block(owner: object) -> None:
@@ -234,6 +270,24 @@ class Block:
         ``user_id`` are named "0", "1", ... in order of appearance. Call it
         at the beginning of ``forward()``."""
         _recorder.restart_auto_ids()
+
+    @staticmethod
+    def start(user_id: Union[str, int, None] = None,
+              ipu_id: Optional[int] = None) -> None:
+        """Begin a block at this point of ``forward``, without a context
+        manager: the operations that follow belong to it until the next
+        block begins, as the layers after a ``BeginBlock`` module do.
+
+        >>> poptorch.Block.start("Decoder", ipu_id=1)
+        >>> x = self.decoder(x)
+
+        ``user_id`` and ``ipu_id`` mean what they mean for ``Block`` (no
+        ``user_id``: the next automatic id). Called inside a ``Block`` or
+        ``BlockFunction`` scope of another id, it is an error, as a nested
+        ``Block`` is. Outside a captured model it does nothing."""
+        start_block(_BlockScope("Block.start",
+                                _check_user_id("Block.start", user_id),
+                                _check_ipu_id("Block.start", ipu_id)))
 
     def __enter__(self) -> "Block":
         _enter_block(self._scope, owner=self)
@@ -386,15 +440,29 @@ class NameScope:
         self._name = name
 
     def __enter__(self) -> "NameScope":
-        names = [name for name, _ in _recorder.name_scopes] + [self._name]
-        annotation = fx_traceback.annotate({NAME_SCOPE_KEY: "/".join(names)})
-        annotation.__enter__()
-        _recorder.name_scopes.append((self._name, annotation))
+        push_name_scope(self._name)
         return self
 
     def __exit__(self, *exc_info) -> None:
         if _recorder.name_scopes:
-            _recorder.name_scopes.pop()[1].__exit__(None, None, None)
+            pop_name_scope()
+
+
+def push_name_scope(name: str) -> None:
+    """Open the name scope ``name`` inside the open ones (what entering a
+    ``NameScope`` does)."""
+    names = [open_name for open_name, _ in _recorder.name_scopes] + [name]
+    annotation = fx_traceback.annotate({NAME_SCOPE_KEY: "/".join(names)})
+    annotation.__enter__()
+    _recorder.name_scopes.append((name, annotation))
+
+
+def pop_name_scope() -> None:
+    """Close the innermost open name scope."""
+    if not _recorder.name_scopes:
+        raise Error("pop_name_scope: no name scope is open; each "
+                    "pop_name_scope must follow a push_name_scope")
+    _recorder.name_scopes.pop()[1].__exit__(None, None, None)
 
 
 #: The block of the operations that run before the first block begins.

@@ -37,7 +37,7 @@ from .automatic_casting import AutomaticCasting, Policy
 from .half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .recurrent_layers import RecurrentLayersWithoutOneDnn
-from .signature import plain_dict_subclasses
+from .signature import flattenable
 from .sparse_gradients import use_dense_gradients
 from .weight_sync import host_reads_suspended
 
@@ -345,8 +345,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         p, b, x = split_flat(flat, [len(params), len(buffers)])
         with losses.LossRecorder() as recorder:
             output = call(p, b, x)
-        leaves, found["spec"] = pytree.tree_flatten(
-            plain_dict_subclasses(output))
+        leaves, found["spec"] = pytree.tree_flatten(flattenable(output))
         found["constants"] = [
             TENSOR_LEAF if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves]
@@ -405,7 +404,7 @@ def split_flat(flat: Sequence, sizes: Sequence[int]) -> List[list]:
 
 def tensor_outputs(output) -> List[torch.Tensor]:
     """The tensors among ``output``'s leaves, in flattening order."""
-    return [leaf for leaf in pytree.tree_leaves(plain_dict_subclasses(output))
+    return [leaf for leaf in pytree.tree_leaves(flattenable(output))
             if isinstance(leaf, torch.Tensor)]
 
 

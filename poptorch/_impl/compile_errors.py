@@ -9,7 +9,10 @@ as ``poptorch.Error`` naming the operation and the line:
 * reading a tensor's value in Python (``.item()``, ``.tolist()``,
   ``bool(t)``, ``if t > 0:``, ``int(t)``...);
 * operations whose result shape depends on the data (boolean-mask indexing
-  ``x[mask]``, ``nonzero``, ``unique``, ``masked_select``...);
+  ``x[mask]``, ``nonzero``, ``unique``, ``masked_select``, ``bincount``
+  without ``minlength``, ``repeat_interleave`` with tensor repeats and no
+  ``output_size``, ``one_hot`` without ``num_classes``...), with the
+  fixed-shape alternative to each;
 * operations that cannot run on fake tensors (a custom operator without a
   fake implementation, ``.numpy()``...);
 * ``torch.utils.checkpoint`` with ``use_reentrant=True`` in a training
@@ -59,10 +62,39 @@ _READS_VALUE = (
     "computation in tensor operations (for example torch.where instead of "
     "an if) or do it outside the model")
 _DYNAMIC_SHAPE = (
-    "uses {op}, whose result shape depends on the data (as boolean-mask "
-    "indexing x[mask], nonzero, unique and masked_select do). A static "
-    "graph needs every shape when it is captured; use a fixed-shape form "
-    "such as torch.where(mask, x, 0) or a multiplication by the mask")
+    "uses {op}, whose result shape depends on the data. A static graph "
+    "needs every shape when it is captured: {alternative}")
+_MASKED = ("keep the shape with torch.where(mask, x, 0) or a "
+           "multiplication by the mask")
+_UNIQUE = ("for integers in [0, N), torch.bincount(x, minlength=N) counts "
+           "each value in N bins (> 0 marks the values present); "
+           "torch.sort(x) orders the values, repeated ones included")
+_aten = torch.ops.aten
+# The fixed-shape alternative to each operator whose result shape depends
+# on the data, by operator.
+_STATIC_ALTERNATIVES = {
+    _aten.nonzero: (
+        "instead of boolean-mask indexing x[mask], " + _MASKED + "; where "
+        "the indices are needed (nonzero, argwhere, torch.where(condition)),"
+        " torch.nonzero_static(condition, size=N, fill_value=-1) returns N "
+        "of them, padded with fill_value"),
+    _aten.masked_select: _MASKED,
+    _aten._unique2: _UNIQUE,
+    _aten.unique_dim: _UNIQUE,
+    _aten.unique_consecutive: _UNIQUE,
+    _aten.bincount: (
+        "pass minlength=N to torch.bincount, which then returns N bins, "
+        "counting the values in [0, N) (values outside it are not counted)"),
+    _aten.repeat_interleave: (
+        "pass output_size=, the sum of repeats, to torch.repeat_interleave; "
+        "it must be the same for every input"),
+    _aten.one_hot: (
+        "pass num_classes=N to torch.nn.functional.one_hot (the values must "
+        "be in [0, N))"),
+}
+_ANY_STATIC_ALTERNATIVE = ("use a fixed-shape form of the computation, "
+                           "such as torch.where(mask, x, 0) or a "
+                           "multiplication by a mask")
 _REENTRANT_CHECKPOINT = (
     "uses torch.utils.checkpoint with use_reentrant=True, which only "
     "recomputes under an eager .backward() call, while the captured "
@@ -116,6 +148,11 @@ def _operation(error: Exception) -> str:
     return str(func) if func is not None else type(error).__name__
 
 
+def _static_alternative(error: DynamicOutputShapeException) -> str:
+    packet = getattr(error.func, "overloadpacket", None)
+    return _STATIC_ALTERNATIVES.get(packet, _ANY_STATIC_ALTERNATIVE)
+
+
 def _refusal(error: Exception) -> Optional[str]:
     """What the model does that a static graph cannot hold, None when
     ``error`` is no refusal of the runtime."""
@@ -125,7 +162,8 @@ def _refusal(error: Exception) -> Optional[str]:
                      "DataDependentOutputException"):
         return _READS_VALUE.format(op=_operation(error))
     if isinstance(error, DynamicOutputShapeException):
-        return _DYNAMIC_SHAPE.format(op=_operation(error))
+        return _DYNAMIC_SHAPE.format(op=_operation(error),
+                                     alternative=_static_alternative(error))
     if isinstance(error, UnsupportedOperatorException):
         return _UNSUPPORTED.format(op=_operation(error))
     if "fake impl" in str(error) or "tensor subclasses" in str(error):

@@ -34,8 +34,8 @@ RUNTIME_OPTIONS = frozenset({
     "executable_cache_dir", "show_compilation_progress_bar", "log_dir",
     "max_repeat_logs", "profile_dir", "log_cycle_count", "model_name",
     "relax_optimizer_attributes_checks", "random_seed", "sync_pattern",
-    "source_location_excludes", "backend", "cuda_graphs", "Distributed",
-    "_Popart"})
+    "source_location_excludes", "backend", "cuda_graphs",
+    "updatable_named_buffers", "Distributed", "_Popart"})
 
 
 def compile_time_options(options) -> Dict[str, Any]:

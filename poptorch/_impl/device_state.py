@@ -1,9 +1,11 @@
 """The model's state on its device: parameters, buffers (one set per replica
 when replicas keep their own buffers) and optimizer state. Copies to and from
 the user's module go through here."""
-from typing import List
+from typing import Dict, List
 
 import torch
+
+from ..errors import Error
 
 
 def _copy(tensors: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
@@ -38,6 +40,24 @@ class DeviceState:
                         for _ in range(self.buffer_sets)]
 
     @torch.no_grad()
+    def load_buffers_from_host(self, buffers: Dict[str, torch.Tensor]
+                               ) -> None:
+        """Copy host ``buffers`` (name -> tensor) into the device buffers of
+        those names, in every buffer set, in place: nothing else changes
+        on the device."""
+        for name, host in buffers.items():
+            index = self.buffer_names.index(name)
+            for buffer_set in self.buffers:
+                device = buffer_set[index]
+                if host.shape != device.shape or host.dtype != device.dtype:
+                    raise Error(
+                        f"copyNamedBuffersToDevice: buffer '{name}' is "
+                        f"{_describe(host)} on the host but the model was "
+                        f"compiled for {_describe(device)}; call destroy() "
+                        "to compile the model again for the new buffer")
+                device.copy_(host)
+
+    @torch.no_grad()
     def store_to_host(self, module: torch.nn.Module) -> None:
         """Copy parameters and the first replica's buffers to the module."""
         params, buffers = self._host_tensors(module)
@@ -52,3 +72,25 @@ class DeviceState:
         self.params = _copy(self.params, device)
         self.buffers = [_copy(b, device) for b in self.buffers]
         self.optimizer = _copy(self.optimizer, device)
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
+
+
+def updatable_buffers(module: torch.nn.Module,
+                      names: List[str]) -> Dict[str, torch.Tensor]:
+    """The module's buffers listed in ``options.updatableNamedBuffers``
+    (``names``), by name; ``poptorch.Error`` when the list is empty or
+    names something that is not a buffer of the module."""
+    if not names:
+        raise Error("copyNamedBuffersToDevice: no buffer is updatable; list "
+                    "the buffers to copy with options.updatableNamedBuffers"
+                    "([...]) before wrapping the model")
+    buffers = dict(module.named_buffers())
+    unknown = [name for name in names if name not in buffers]
+    if unknown:
+        raise Error(f"options.updatableNamedBuffers: {unknown} are not "
+                    "buffers of the model; its buffers are "
+                    f"{sorted(buffers)}")
+    return {name: buffers[name] for name in names}

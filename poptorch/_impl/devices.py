@@ -3,6 +3,8 @@
 An "IPU" is a CUDA GPU when one is present; otherwise the model runs on the
 CPU. ``Options.useIpuModel(True)`` (or ``POPTORCH_IPU_MODEL=1``) selects the
 CPU even when a GPU exists, as the IPU Model stood in for hardware.
+``POPTORCH_CPU_IS_IPU=1`` declares the CPU as IPU hardware to programs that
+ask (``ipuHardwareIsAvailable``) without changing where models run.
 
 In a run of several processes per host, each process takes the GPU of its
 local rank (torchrun's ``LOCAL_RANK``, OpenMPI's
@@ -18,6 +20,7 @@ from ..errors import Error
 
 _LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 _LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+_CPU_IS_IPU_VARIABLE = "POPTORCH_CPU_IS_IPU"
 
 
 def select_device(use_ipu_model: bool) -> torch.device:
@@ -59,18 +62,36 @@ def _local_variable(names) -> Optional[int]:
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
-    """True if at least ``num_ipus`` accelerators (CUDA GPUs) are present."""
+    """True if at least ``num_ipus`` accelerators (CUDA GPUs) are present,
+    or for any ``num_ipus`` when ``POPTORCH_CPU_IS_IPU=1`` declares the CPU
+    as the hardware (it runs any number of replicas). Programs that refuse
+    to start without IPU hardware, such as Lightning's ``IPUStrategy``,
+    then run; models still run on the device ``select_device`` picks."""
+    if _cpu_is_ipu():
+        return True
     return torch.cuda.is_available() and torch.cuda.device_count() >= num_ipus
+
+
+def _cpu_is_ipu() -> bool:
+    """Whether ``POPTORCH_CPU_IS_IPU`` declares the CPU as IPU hardware:
+    ``1`` yes, ``0`` or unset no."""
+    text = os.environ.get(_CPU_IS_IPU_VARIABLE, "")
+    if text not in ("", "0", "1"):
+        raise Error(f"Environment variable {_CPU_IS_IPU_VARIABLE} must be 1 "
+                    f"(the CPU counts as IPU hardware) or 0, got {text!r}")
+    return text == "1"
 
 
 def ipuHardwareVersion() -> int:
     """The hardware version of the available accelerator.
 
-    A CUDA GPU reports version 2 (the Mk2 IPU generation, so programs passing
-    this value to ``useOfflineIpuTarget`` keep working). Raises
-    ``poptorch.Error`` when no accelerator is present, as PopTorch does.
+    A CUDA GPU, or the CPU declared by ``POPTORCH_CPU_IS_IPU=1``, reports
+    version 2 (the Mk2 IPU generation, so programs passing this value to
+    ``useOfflineIpuTarget`` keep working). Raises ``poptorch.Error`` when no
+    accelerator is present, as PopTorch does.
     """
     if not ipuHardwareIsAvailable():
         raise Error("ipuHardwareVersion: no accelerator is available (no "
-                    "CUDA GPU is present; models run on the CPU)")
+                    "CUDA GPU is present and POPTORCH_CPU_IS_IPU is not 1; "
+                    "models run on the CPU)")
     return 2

@@ -16,8 +16,8 @@ from torch.utils import _pytree as pytree
 from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
-from . import (capture, device_loop, distributed, failed_calls,
-               model_parallel, replica_grouping, replication,
+from . import (capture, compile_hooks, device_loop, distributed,
+               failed_calls, model_parallel, replica_grouping, replication,
                staged_execution, stages, weight_sync)
 from .backends.cuda_graphs import CudaGraphCall, cuda_graph_reason
 from .compile_session import compile_session
@@ -25,11 +25,12 @@ from .compiled_methods import CompiledExecutionMethods
 from .perf_counters import CallTimer
 from .batching import BatchLayout
 from .automatic_casting import Policy
-from .capture import ModelCall, TensorLeaf
-from .device_state import DeviceState
+from .capture import TensorLeaf
+from .device_state import DeviceState, updatable_buffers
 from .devices import select_device
 from .floating_point_checks import StepFlags
 from .half_casting import target_dtype
+from .lightning_logging import logged_output, model_call_class
 from .logger import info_once, logger, warn_once
 from .names import mark_parameters
 from .optimizers import device_state as optimizer_state_dict
@@ -135,6 +136,16 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._require_compiled("rng_state")
         self._rng.load_list(value)
 
+    @property
+    def _executable(self) -> Optional[object]:
+        """The compiled steps, or None before compilation and after
+        ``destroy()``, as PopTorch's executable handle (Lightning's
+        ``IPUStrategy`` attaches and detaches only models where it is not
+        None)."""
+        if not self._compiled:
+            return None
+        return self._staged if self._staged is not None else self._steps
+
     # --- compilation ------------------------------------------------------
     def isCompiled(self) -> bool:
         """True once the model is compiled and until it is destroyed."""
@@ -150,8 +161,9 @@ class PoplarExecutor(CompiledExecutionMethods):
                  precompiled_source: str = "") -> None:
         """Capture and compile for ``call``; ``precompiled`` steps (read
         from an exported file) replace compilation when they match."""
-        with compile_session(self._options, self._training, precompiled,
-                             precompiled_source) as self._session, \
+        with compile_hooks.around_compilation(), \
+                compile_session(self._options, self._training, precompiled,
+                                precompiled_source) as self._session, \
                 torch.inference_mode(False):
             self._capture_and_compile(call)
 
@@ -182,7 +194,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             grouped = replica_grouping.collect(
                 self._module, state.param_names, layout.replicas)
         grouped.check_rows(state.params)
-        model_call = ModelCall(
+        model_call = model_call_class(self._module)(
             self._module, state.param_names, state.buffer_names, call.spec,
             list(call.leaves), call.tensor_positions(),
             target_dtype(self._options.Precision.half_float_casting),
@@ -208,6 +220,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._compile_inference(model_call, analysis, state, inputs)
         replica_grouping.mark_compiled(self._module, True)
         self._analysis = analysis
+        self._model_call = model_call
         self._output_mode = mode
         self._layout = layout
         self._state = state
@@ -450,7 +463,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._shared.trained()
             self._loaded_version = self._sync.version
             _mark_optimizer_stepped(self._optimizer)
-        result = self._shape_outputs(outputs)
+        result = logged_output(self._model_call,
+                               self._shape_outputs(outputs))
         timer.outputs_transferred(len(outputs))
         self._timer = timer
         return result
@@ -643,6 +657,20 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._sync.device_newer = False
             self._sync.version += 1
         self._loaded_version = self._sync.version
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Copy the buffers named by ``options.updatableNamedBuffers`` from
+        the wrapped module to the device (to each replica's copy), leaving
+        the other parameters and buffers on the device as they are. Before
+        compilation there is nothing to copy to: the first call copies all
+        the weights."""
+        if self._destroyed:
+            self._raise_destroyed("copyNamedBuffersToDevice")
+        with weight_sync.host_reads_suspended():
+            buffers = updatable_buffers(
+                self._module, self._options.updatable_named_buffers)
+        if self._compiled:
+            self._state.load_buffers_from_host(buffers)
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy trained weights to the host if they changed on the device;

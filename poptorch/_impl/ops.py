@@ -1,4 +1,5 @@
-"""PopTorch ops (API reference 11.3) on ordinary PyTorch devices.
+"""PopTorch ops (API reference 11.3, and PopTorch 3.4's ``cond`` and
+``dynamic_update``) on ordinary PyTorch devices.
 
 ``ipu_print_tensor``, ``nop`` and ``recomputationCheckpoint`` are identity
 custom ops of the ``poptorch`` namespace (``torch.ops.poptorch.*``): a
@@ -7,9 +8,36 @@ when a traced graph is replayed under autograd, and under ``torch.func``
 transforms. The IPU tuning knobs (``set_available_memory``,
 ``set_overlap_for_input``/``output``, ``MultiConv``) validate their
 arguments and say once, at INFO, that they have no effect here.
+
+Programs that call PopTorch's operators directly find them with PopTorch's
+schemas (see the end of this file):
+
+* ``ipu_print_tensor(Tensor self, str title="", int print_gradient=1,
+  int summarise_threshold=1000, int edge_items=3, int max_line_width=80,
+  int digits=4, int float_format=0, str separator=" ",
+  str open_bracket="[", str close_bracket="]") -> Tensor``: prints with
+  PyTorch's print options set from the formatting arguments (0 turns
+  summarising, line splitting and the digits off; ``float_format`` 0 auto,
+  1 fixed, 2 scientific, 3 none); the separator and brackets are logged
+  once, not applied;
+* ``nop(Tensor self) -> Tensor``, ``recomputation_checkpoint(Tensor self)
+  -> Tensor``;
+* ``push_name_scope(str name) -> ()`` / ``pop_name_scope() -> ()``: what
+  entering and leaving a ``NameScope`` do;
+* ``begin_ipu_block(int stage_id, int phase_id, int ipu_id) -> ()``:
+  ``Block.start(str(stage_id), ipu_id)`` (no IPU when ``ipu_id`` is
+  negative; the execution strategy gives the phase); ``end_ipu_block() ->
+  ()`` does nothing, as a block lasts until the next one begins;
+* the tuning knobs, identities that validate and log once:
+  ``set_available_memory(Tensor self, float proportion) -> Tensor``,
+  ``set_matmul_serialization(Tensor matmul, str mode, int factor,
+  bool keep_precision) -> Tensor`` (``mode`` one of PopTorch's
+  ``"input_channels"``, ``"reducing_dim"``, ``"output_channels"``,
+  ``"none"``) and ``optimizer_group(int group, Tensor[] inputs) -> ()``.
 """
 import functools
-from typing import Callable, List, Optional, Sequence, Union
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -17,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from ..enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from ..errors import Error
-from . import ctc_decoder, ctc_loss
+from . import blocks, ctc_decoder, ctc_loss
 from .logger import info_once
 
 
@@ -39,20 +67,33 @@ def _check_count(function: str, argument: str, value, minimum: int) -> int:
                 f"not {value!r}")
 
 
+def _do_nothing(*args) -> None:
+    return None
+
+
 def _define_identity_op(name: str, schema: str,
                         effect: Callable[..., None],
-                        gradient: Callable[..., torch.Tensor]):
-    """Define ``poptorch::<name>``, which runs ``effect(tensor, *args)`` and
-    returns a copy of ``tensor``; under autograd its backward is
-    ``gradient(grad, *args)``."""
+                        gradient: Callable[..., torch.Tensor],
+                        check: Callable[..., None] = _do_nothing):
+    """Define ``poptorch::<name>``, which checks its arguments with
+    ``check(tensor, *args)`` (also when traced), runs
+    ``effect(tensor, *args)`` and returns a copy of ``tensor``; under
+    autograd its backward is ``gradient(grad, *args)``. The arguments a
+    call leaves out are not passed on: the functions give them the schema's
+    defaults."""
 
     def implementation(tensor, *args):
+        check(tensor, *args)
         effect(tensor, *args)
         return tensor.clone()
 
+    def fake(tensor, *args):
+        check(tensor, *args)
+        return torch.empty_like(tensor)
+
     op = torch.library.custom_op(f"poptorch::{name}", implementation,
                                  mutates_args=(), schema=schema)
-    op.register_fake(lambda tensor, *args: torch.empty_like(tensor))
+    op.register_fake(fake)
 
     def setup_context(ctx, inputs, output):
         ctx.arguments = inputs[1:]
@@ -83,34 +124,101 @@ def _apply_identity_op(op, tensor: torch.Tensor, *args) -> torch.Tensor:
     return torch.where(keep, tensor, op(tensor.detach(), *args))
 
 
-def _print_with_title(tensor: torch.Tensor, title: str) -> None:
-    value = tensor.detach()
-    print(f"{title}: {value}" if title else str(value), flush=True)
+#: The arguments of PopTorch's ``ipu_print_tensor`` op after the tensor and
+#: its title, as (name, schema type, PopTorch's default).
+_PRINT_FORMAT = (
+    ("print_gradient", "int", 1),
+    ("summarise_threshold", "int", 1000),
+    ("edge_items", "int", 3),
+    ("max_line_width", "int", 80),
+    ("digits", "int", 4),
+    ("float_format", "int", 0),
+    ("separator", "str", " "),
+    ("open_bracket", "str", "["),
+    ("close_bracket", "str", "]"),
+)
+#: ``float_format``'s values, by number.
+_FLOAT_FORMATS = ("auto", "fixed", "scientific", "none")
+_PRINT_SCHEMA = "(Tensor self, str title=\"\", {}) -> Tensor".format(
+    ", ".join(f"{kind} {name}={default}" if kind == "int"
+              else f'{kind} {name}="{default}"'
+              for name, kind, default in _PRINT_FORMAT))
+
+
+def _print_format(values: Sequence) -> Dict[str, object]:
+    """The formatting arguments by name; PopTorch's defaults for the last
+    ones when ``values`` stops short."""
+    defaults = [default for _, _, default in _PRINT_FORMAT]
+    return {name: value for (name, _, _), value in
+            zip(_PRINT_FORMAT, list(values) + defaults[len(values):])}
+
+
+def _check_print_arguments(tensor: torch.Tensor, title: str = "",
+                           *values) -> None:
+    function = "torch.ops.poptorch.ipu_print_tensor"
+    chosen = _print_format(values)
+    for name in ("summarise_threshold", "edge_items", "max_line_width",
+                 "digits"):
+        _check_count(function, name, chosen[name], 0)
+    if chosen["float_format"] not in range(len(_FLOAT_FORMATS)):
+        allowed = ", ".join(f"{number} ({name})"
+                            for number, name in enumerate(_FLOAT_FORMATS))
+        raise Error(f"{function}: float_format must be one of {allowed}, "
+                    f"not {chosen['float_format']!r}")
+    brackets = [chosen[name] for name in
+                ("separator", "open_bracket", "close_bracket")]
+    if brackets != [default for _, _, default in _PRINT_FORMAT[-3:]]:
+        info_once(f"{function}: separator, open_bracket and close_bracket "
+                  "are accepted but have no effect on this device: values "
+                  "print as PyTorch prints tensors")
+
+
+def _torch_print_options(chosen: Dict[str, object]) -> Dict[str, object]:
+    """PyTorch's print options for PopTorch's formatting arguments (0 turns
+    summarising, line splitting and the number of digits off)."""
+    float_format = _FLOAT_FORMATS[chosen["float_format"]] \
+        if chosen["digits"] else "none"
+    return {"threshold": chosen["summarise_threshold"] or sys.maxsize,
+            "edgeitems": chosen["edge_items"],
+            "linewidth": chosen["max_line_width"] or sys.maxsize,
+            "precision": chosen["digits"] or None,
+            "sci_mode": {"fixed": False,
+                         "scientific": True}.get(float_format)}
+
+
+def _print_with_title(tensor: torch.Tensor, title: str = "",
+                      *values) -> None:
+    with torch._tensor_str.printoptions(
+            **_torch_print_options(_print_format(values))):
+        text = str(tensor.detach())
+    print(f"{title}: {text}" if title else text, flush=True)
 
 
 def _gradient_title(title: str) -> str:
     return f"{title}_gradient" if title else "gradient"
 
 
-def _print_gradient(title: str, grad: torch.Tensor) -> torch.Tensor:
-    return _apply_identity_op(_print_op, grad, _gradient_title(title))
+def _print_gradient(title: str, grad: torch.Tensor, *values) -> torch.Tensor:
+    """Print ``grad`` after the gradient's title unless ``values`` (the
+    formatting arguments) turn ``print_gradient`` off."""
+    if not _print_format(values)["print_gradient"]:
+        return grad
+    return _apply_identity_op(_print_op, grad, _gradient_title(title), 0,
+                              *values[1:])
 
 
 def _pass_gradient(grad: torch.Tensor, *args) -> torch.Tensor:
     return grad
 
 
-def _do_nothing(tensor: torch.Tensor, *args) -> None:
-    return None
-
-
 _print_op = _define_identity_op(
-    "ipu_print_tensor", "(Tensor tensor, str title) -> Tensor",
-    _print_with_title, lambda grad, title: _print_gradient(title, grad))
-_nop_op = _define_identity_op("nop", "(Tensor tensor) -> Tensor",
+    "ipu_print_tensor", _PRINT_SCHEMA, _print_with_title,
+    lambda grad, title="", *values: _print_gradient(title, grad, *values),
+    check=_check_print_arguments)
+_nop_op = _define_identity_op("nop", "(Tensor self) -> Tensor",
                               _do_nothing, _pass_gradient)
 _checkpoint_op = _define_identity_op("recomputation_checkpoint",
-                                     "(Tensor tensor) -> Tensor",
+                                     "(Tensor self) -> Tensor",
                                      _do_nothing, _pass_gradient)
 
 
@@ -292,26 +400,66 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor,
     must not exceed the dimension; an index past it raises an indexing
     error when the graph runs.
     """
-    _check_tensor("dynamic_slice", "tensor", tensor)
-    if isinstance(dim, bool) or not isinstance(dim, int) \
-            or not -tensor.dim() <= dim < tensor.dim():
-        raise Error(f"dynamic_slice: dim must be an integer in "
-                    f"[{-tensor.dim()}, {tensor.dim() - 1}] for a tensor of "
-                    f"shape {tuple(tensor.shape)}, not {dim!r}")
-    _check_tensor("dynamic_slice", "start", start)
-    if start.numel() != 1 or start.dtype.is_floating_point \
-            or start.dtype.is_complex or start.dtype == torch.bool:
-        raise Error("dynamic_slice: start must be a tensor holding one "
-                    f"integer; got dtype {start.dtype} and shape "
-                    f"{tuple(start.shape)}")
+    first = _check_dim_and_start("dynamic_slice", "tensor", tensor, dim,
+                                 start)
     size = _check_count("dynamic_slice", "size", size, 1)
     step = _check_count("dynamic_slice", "step", step, 1)
     if size > tensor.shape[dim]:
         raise Error(f"dynamic_slice: size {size} exceeds dimension {dim} of "
                     f"the tensor, of size {tensor.shape[dim]}")
     offsets = torch.arange(0, size, step, device=tensor.device)
-    first = start.to(device=tensor.device, dtype=torch.long).reshape(())
     return torch.index_select(tensor, dim, first + offsets)
+
+
+def _check_dim_and_start(function: str, argument: str, tensor: torch.Tensor,
+                         dim: int, start: torch.Tensor) -> torch.Tensor:
+    """Check ``dim`` (a dimension of ``tensor``, the argument
+    ``argument``) and ``start``; ``start`` as a 0-d long tensor on the
+    tensor's device."""
+    _check_tensor(function, argument, tensor)
+    if isinstance(dim, bool) or not isinstance(dim, int) \
+            or not -tensor.dim() <= dim < tensor.dim():
+        raise Error(f"{function}: dim must be an integer in "
+                    f"[{-tensor.dim()}, {tensor.dim() - 1}] for a tensor of "
+                    f"shape {tuple(tensor.shape)}, not {dim!r}")
+    _check_tensor(function, "start", start)
+    if start.numel() != 1 or start.dtype.is_floating_point \
+            or start.dtype.is_complex or start.dtype == torch.bool:
+        raise Error(f"{function}: start must be a tensor holding one "
+                    f"integer; got dtype {start.dtype} and shape "
+                    f"{tuple(start.shape)}")
+    return start.to(device=tensor.device, dtype=torch.long).reshape(())
+
+
+def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,
+                   start: torch.Tensor, size: int) -> torch.Tensor:
+    """``input`` with ``src`` written along ``dim`` from ``start`` (a tensor
+    holding one integer, which may change from run to run) over ``size``
+    elements: like ``input[start:start + size] = src`` along ``dim``, on a
+    copy. The counterpart of ``dynamic_slice``.
+
+    ``src`` has ``input``'s dtype and shape except ``size`` elements along
+    ``dim``. The result is differentiable in ``input`` (whose gradient is
+    zero where ``src`` was written) and in ``src``. ``start + size`` must
+    not exceed the dimension; an index past it raises an indexing error
+    when the graph runs.
+    """
+    first = _check_dim_and_start("dynamic_update", "input", input, dim,
+                                 start)
+    size = _check_count("dynamic_update", "size", size, 1)
+    if size > input.shape[dim]:
+        raise Error(f"dynamic_update: size {size} exceeds dimension {dim} of "
+                    f"input, of size {input.shape[dim]}")
+    _check_tensor("dynamic_update", "src", src)
+    expected = input.shape[:dim % input.dim()] + (size,) \
+        + input.shape[dim % input.dim() + 1:]
+    if src.shape != expected or src.dtype != input.dtype:
+        raise Error(f"dynamic_update: src must be a {input.dtype} tensor of "
+                    f"shape {tuple(expected)} (input's shape with size {size}"
+                    f" along dim {dim}); got {src.dtype} of shape "
+                    f"{tuple(src.shape)}")
+    indices = first + torch.arange(size, device=input.device)
+    return input.index_copy(dim, indices, src)
 
 
 def _as_tensor_list(function: str, what: str, values) -> List[torch.Tensor]:
@@ -619,3 +767,145 @@ def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor,
                     f"beam_width ({beam_width})")
     return list(ctc_decoder.ctc_beam_search_decoder(
         probs, lengths, blank, beam_width, top_paths))
+
+
+def cond(condition: torch.Tensor, then_body: Callable[..., object],
+         then_inputs: Sequence[torch.Tensor], else_body: Callable[..., object],
+         else_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """An on-device conditional: the tensors ``then_body(*then_inputs)``
+    returns if ``condition`` (a tensor holding one boolean) is true, else
+    those of ``else_body(*else_inputs)``, as a list.
+
+    Both bodies run (a captured graph holds both) and each output is
+    selected with ``torch.where``, so the condition never goes back to the
+    host. The bodies must return the same number of tensors, with the same
+    shapes and dtypes. In training, gradients flow through the selected
+    outputs only: a parameter used by the branch not taken gets a zero
+    gradient. The inputs are passed by value, as in ``for_loop``.
+    """
+    _check_tensor("cond", "condition", condition)
+    if condition.numel() != 1 or condition.dtype != torch.bool:
+        raise Error("cond: condition must be a tensor holding one boolean; "
+                    f"got dtype {condition.dtype} and shape "
+                    f"{tuple(condition.shape)}")
+    branches = []
+    for branch, body, inputs in (("then", then_body, then_inputs),
+                                 ("else", else_body, else_inputs)):
+        if not callable(body):
+            raise Error(f"cond: {branch}_body must be callable, not "
+                        f"{type(body).__name__}")
+        values = [value.clone() for value in _as_tensor_list(
+            "cond", f"{branch}_inputs", inputs)]
+        branches.append(_as_tensor_list(
+            "cond", f"the value {branch}_body returns", body(*values)))
+    _check_same_branches(*branches)
+    flag = condition.reshape(())
+    return [torch.where(flag.to(taken.device), taken, other)
+            for taken, other in zip(*branches)]
+
+
+def _check_same_branches(then_outputs: List[torch.Tensor],
+                         else_outputs: List[torch.Tensor]) -> None:
+    if len(then_outputs) != len(else_outputs):
+        raise Error(f"cond: then_body returned {len(then_outputs)} tensor(s) "
+                    f"but else_body returned {len(else_outputs)}; both "
+                    "branches must return the same number of tensors")
+    for position, (then, other) in enumerate(zip(then_outputs,
+                                                 else_outputs)):
+        if then.shape != other.shape or then.dtype != other.dtype:
+            raise Error(f"cond: output {position} of then_body is "
+                        f"{then.dtype} {tuple(then.shape)} but output "
+                        f"{position} of else_body is {other.dtype} "
+                        f"{tuple(other.shape)}; both branches must return "
+                        "the same shapes and dtypes")
+
+
+# PopTorch's operators that programs call directly (torch.ops.poptorch.*),
+# besides the graph-node ops ipu_print_tensor, nop and
+# recomputation_checkpoint defined above. They run as Python when called
+# (CompositeImplicitAutograd), so a traced graph keeps what they compute and
+# no node of their own.
+_LIBRARY = torch.library.Library("poptorch", "FRAGMENT")
+
+
+def _define_python_op(schema: str, function: Callable) -> None:
+    """Define the op ``poptorch::<schema>`` as ``function``."""
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
+    _LIBRARY.impl(name, function, "CompositeImplicitAutograd")
+
+
+def _define_python_identity_op(schema: str,
+                               function: Callable[..., torch.Tensor]) -> None:
+    """``_define_python_op`` for an op returning its first argument; under
+    vmap it applies to the whole batched tensor at once."""
+    _define_python_op(schema, function)
+
+    def batched(info, in_dims, tensor, *args):
+        return function(tensor, *args), in_dims[0]
+
+    torch.library.register_vmap(f"poptorch::{schema.split('(', 1)[0]}",
+                                batched, lib=_LIBRARY)
+
+
+def _begin_ipu_block(stage_id: int, phase_id: int, ipu_id: int) -> None:
+    """Begin the block named ``str(stage_id)`` on IPU ``ipu_id`` (none when
+    negative), as ``Block.start`` does; the execution strategy places it."""
+    info_once("torch.ops.poptorch.begin_ipu_block begins the block named by "
+              "its stage_id, placed by the execution strategy; phase_id has "
+              "no effect")
+    blocks.start_ipu_block(stage_id, ipu_id)
+
+
+def _end_ipu_block() -> None:
+    """Nothing to do: a block lasts until the next one begins."""
+
+
+_SERIALIZATION_MODES = ("input_channels", "reducing_dim", "output_channels",
+                        "none")
+
+
+def _set_matmul_serialization(matmul: torch.Tensor, mode: str, factor: int,
+                              keep_precision: bool) -> torch.Tensor:
+    """Accept a serialization plan for the matrix product ``matmul``: an IPU
+    tuning knob, without effect here (``serializedMatMul`` computes a
+    serialized product). Returns ``matmul``."""
+    function = "torch.ops.poptorch.set_matmul_serialization"
+    if mode not in _SERIALIZATION_MODES:
+        raise Error(f"{function}: mode must be one of "
+                    f"{', '.join(map(repr, _SERIALIZATION_MODES))}, not "
+                    f"{mode!r}")
+    _check_count(function, "factor", factor, 0)
+    info_once(f"{function} is accepted but has no effect on this device")
+    return matmul
+
+
+def _optimizer_group(group: int, inputs: List[torch.Tensor]) -> None:
+    """Accept PopTorch's marking of ``inputs`` as the optimizer param group
+    ``group``: the param groups here are those of the optimizer."""
+    function = "torch.ops.poptorch.optimizer_group"
+    _check_count(function, "group", group, 0)
+    info_once(f"{function} is accepted but has no effect: each parameter "
+              "belongs to the optimizer param group that holds it")
+
+
+def _no_output_under_vmap(info, in_dims, group, inputs):
+    _optimizer_group(group, inputs)
+    return None, None
+
+
+_define_python_op("push_name_scope(str name) -> ()", blocks.push_name_scope)
+_define_python_op("pop_name_scope() -> ()", blocks.pop_name_scope)
+_define_python_op("begin_ipu_block(int stage_id, int phase_id, int ipu_id) "
+                  "-> ()", _begin_ipu_block)
+_define_python_op("end_ipu_block() -> ()", _end_ipu_block)
+_define_python_op("optimizer_group(int group, Tensor[] inputs) -> ()",
+                  _optimizer_group)
+torch.library.register_vmap("poptorch::optimizer_group",
+                            _no_output_under_vmap, lib=_LIBRARY)
+_define_python_identity_op(
+    "set_available_memory(Tensor self, float proportion) -> Tensor",
+    set_available_memory)
+_define_python_identity_op(
+    "set_matmul_serialization(Tensor matmul, str mode, int factor, "
+    "bool keep_precision) -> Tensor", _set_matmul_serialization)

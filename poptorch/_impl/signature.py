@@ -6,7 +6,12 @@ Dict arguments are flattened by key, as PopTorch flattens them: a later call
 whose dicts hold the compiled keys in another order, or whose dicts are of
 another standard type (``dict``, ``OrderedDict``, ``defaultdict``), matches
 the compiled call key by key. Other subclasses of ``dict``, which
-``torch.utils._pytree`` does not know, reach ``forward`` as plain dicts."""
+``torch.utils._pytree`` does not know, reach ``forward`` as plain dicts.
+
+A value whose type has a parser registered with
+``poptorch.registerCustomArgParser`` is flattened by that parser
+(``custom_args.py``): its tensors are named by the attribute holding them
+(``batch.x``), and its plain attributes are compiled in."""
 import dataclasses
 import functools
 import inspect
@@ -16,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
+from .custom_args import CustomArgument, has_parser
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +56,7 @@ class CallArguments:
     def __init__(self, forward: Callable, args: tuple, kwargs: dict) -> None:
         signature = _signature(forward)
         bound = _bind(signature, args, kwargs)
-        self.args, self.kwargs = plain_dict_subclasses((bound.args,
-                                                        bound.kwargs))
+        self.args, self.kwargs = flattenable((bound.args, bound.kwargs))
         self.leaves, self.spec = pytree.tree_flatten((self.args, self.kwargs))
         self._signature = signature
         self._paths: Optional[List[str]] = None
@@ -67,7 +72,8 @@ class CallArguments:
         if not all(pytree.tree_is_leaf(leaf) for leaf in leaves):
             return False
         self.leaves, self.spec = leaves, spec
-        self.args, self.kwargs = pytree.tree_unflatten(leaves, spec)
+        self.args, self.kwargs = flattenable(pytree.tree_unflatten(leaves,
+                                                                   spec))
         self._paths = None
         return True
 
@@ -90,17 +96,24 @@ def _unknown_dict(value: Any) -> bool:
             and type(value) not in pytree.SUPPORTED_NODES)
 
 
-def plain_dict_subclasses(tree: Any) -> Any:
-    """``tree`` with each dict of a type ``torch.utils._pytree`` does not
-    know (a subclass of ``dict`` or ``OrderedDict``) as a plain dict, so
-    that its values are flattened rather than taken as one leaf."""
-    def plain(value: Any) -> Any:
+def _replaced_node(value: Any) -> bool:
+    return _unknown_dict(value) or has_parser(value)
+
+
+def flattenable(tree: Any) -> Any:
+    """``tree`` as ``torch.utils._pytree`` is to flatten it: each dict of a
+    type pytree does not know (a subclass of ``dict`` or ``OrderedDict``)
+    as a plain dict, so that its values are flattened rather than taken as
+    one leaf, and each value of a type with a registered custom parser as a
+    ``CustomArgument``, flattened by its parser."""
+    def replace(value: Any) -> Any:
         if _unknown_dict(value):
-            return {key: plain_dict_subclasses(item)
-                    for key, item in value.items()}
+            return {key: flattenable(item) for key, item in value.items()}
+        if has_parser(value):
+            return CustomArgument(value)
         return value
 
-    return pytree.tree_map(plain, tree, is_leaf=_unknown_dict)
+    return pytree.tree_map(replace, tree, is_leaf=_replaced_node)
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,7 +205,12 @@ class InputSignature:
 
     @staticmethod
     def _structure(spec) -> str:
-        return str(pytree.tree_unflatten(["*"] * spec.num_leaves, spec))
+        """The arguments with ``*`` for each leaf; the spec itself when a
+        custom parser cannot rebuild its type around ``*``."""
+        try:
+            return str(pytree.tree_unflatten(["*"] * spec.num_leaves, spec))
+        except Exception:  # a custom parser's reconstruct needs tensors
+            return str(spec)
 
 
 def _matches(expected, given) -> bool:

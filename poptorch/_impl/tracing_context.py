@@ -22,6 +22,21 @@
 * ``F.ctc_loss`` (``nn.CTCLoss``) runs as the static-shape CTC loss of
   ``ctc_loss.py``: PyTorch's kernel sizes its workspace by the targets'
   lengths, values a graph of fake tensors does not have.
+* ``torch.bincount`` with ``minlength`` has ``minlength`` bins and
+  ``F.one_hot`` needs ``num_classes`` (``data_dependent_ops.py``).
+* ``nn.Transformer``, ``nn.TransformerEncoder`` and
+  ``nn.MultiheadAttention`` take their regular path: PyTorch's fast path
+  (``torch.backends.mha.set_fastpath_enabled``) is off, so no nested
+  tensor is made from ``src_key_padding_mask`` (PyTorch first checks that
+  the mask is left-aligned, reading its values), and an attention mask is
+  causal only when ``is_causal=True`` says so (with ``is_causal=None``
+  PyTorch compares the mask's values to a causal mask). The mask is then
+  applied as given, which computes the same attention. Where eager
+  PyTorch makes nested tensors (evaluation without gradients,
+  ``enable_nested_tensor=True``), its output holds zeros at the padded
+  positions; the captured output holds there what PyTorch's regular path
+  computes (in training, or with gradients enabled), and equal values
+  everywhere else.
 """
 import contextlib
 import contextvars
@@ -30,6 +45,7 @@ import warnings
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch._dynamo
+import torch.nn.modules.transformer as transformer_module
 from torch.distributions import Distribution
 from torch.overrides import TorchFunctionMode
 from torch._subclasses.fake_tensor import is_fake
@@ -37,6 +53,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .ctc_loss import static_ctc_loss
+from .data_dependent_ops import static_shape_operators
+from .tensor_copies import deepcopy_as_clone
 
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 _COMPILED_PART_HOOKS = "Using `torch.compile\\(module\\)` when there are global hooks"
@@ -95,6 +113,29 @@ class _MetaFailureFilter(logging.Filter):
             "failed while attempting to run meta")
 
 
+def _causal_when_told(mask: Optional[torch.Tensor],
+                      is_causal: Optional[bool] = None,
+                      size: Optional[int] = None) -> bool:
+    """``_detect_is_causal_mask`` without reading ``mask``: causal only when
+    ``is_causal`` is True."""
+    return is_causal is True
+
+
+@contextlib.contextmanager
+def transformers_regular_path() -> Iterator[None]:
+    """PyTorch's transformer layers without their fast path and causal-mask
+    detection in the block."""
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    detect = transformer_module._detect_is_causal_mask
+    torch.backends.mha.set_fastpath_enabled(False)
+    transformer_module._detect_is_causal_mask = _causal_when_told
+    try:
+        yield
+    finally:
+        transformer_module._detect_is_causal_mask = detect
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
 @contextlib.contextmanager
 def fake_tracing() -> Iterator[None]:
     """The context of one trace with fake tensors."""
@@ -105,7 +146,9 @@ def fake_tracing() -> Iterator[None]:
     Distribution.set_default_validate_args(False)
     try:
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
-                warnings.catch_warnings(), static_ctc_loss():
+                warnings.catch_warnings(), static_ctc_loss(), \
+                static_shape_operators(), transformers_regular_path(), \
+                deepcopy_as_clone():
             # Automatic casting's global module hooks fire twice for a
             # compiled part, which torch warns of; its scopes stay balanced.
             warnings.filterwarnings("ignore", message=_COMPILED_PART_HOOKS)
