@@ -307,3 +307,4 @@ def test_graphcore_ctc_out_data_type(out_type, dtype):
                           zero_infinity=True)
     assert loss.dtype == dtype
     torch.testing.assert_close(loss, expected.to(dtype))
+

@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from ..enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from ..errors import Error
-from . import blocks, ctc_decoder, ctc_loss
+from . import blocks, ctc_decoder, graphcore_ops
 from .logger import info_once
 
 
@@ -665,11 +665,6 @@ class CPU:
         inline calls need no buffers."""
 
 
-#: Built-in PopART ops of the ai.graphcore domain that ``custom_op``
-#: reaches: (name) -> function(inputs, attributes) returning the outputs.
-_GRAPHCORE_OPS = {"Ctc": ctc_loss.graphcore_ctc}
-
-
 def _torch_operation(name: str, domain: str):
     """``torch.ops.<domain with dots as underscores>.<name>``, or None."""
     namespace = domain.replace(".", "_")
@@ -681,8 +676,8 @@ def _torch_operation(name: str, domain: str):
 
 def _registered_operation(function: str, name: str, domain: str):
     """The op ``custom_op`` calls as ``operation(inputs, attributes)``."""
-    if domain == "ai.graphcore" and name in _GRAPHCORE_OPS:
-        return _GRAPHCORE_OPS[name]
+    if domain == "ai.graphcore" and name in graphcore_ops.OPERATIONS:
+        return graphcore_ops.OPERATIONS[name]
     operation = _torch_operation(name, domain)
     if operation is None:
         namespace = domain.replace(".", "_")
@@ -711,10 +706,11 @@ def custom_op(inputs, name: str, domain: str, domain_version: int,
     outputs must have the types and shapes of ``example_outputs``.
 
     Built-in PopART ops of the ``ai.graphcore`` domain run as their
-    PyTorch equivalents: ``Ctc`` (the CTC loss, ``ctc_loss.py``; inputs
-    log_probs, targets, input_lengths, target_lengths; attributes
-    ``blank``, ``reduction`` as a ``poptorch.ReductionType`` number and
-    ``zeroInfinity``)."""
+    PyTorch equivalents (``graphcore_ops.py`` lists them): ``Ctc`` (the CTC
+    loss, ``ctc_loss.py``; inputs log_probs, targets, input_lengths,
+    target_lengths; attributes ``blank``, ``reduction`` as a
+    ``poptorch.ReductionType`` number and ``zeroInfinity``), ``Gelu``,
+    ``Swish``, ``Round``, ``Atan2``, ``Scale``, ``Reverse``..."""
     function = f"poptorch.custom_op({name!r}, domain {domain!r})"
     operation = _registered_operation(function, name, domain)
     outputs = operation(list(inputs), dict(attributes or {}))
