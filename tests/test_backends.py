@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from poptorch._impl.backends.cuda_graphs import cuda_graph_reason
 from conftest import (BatchNormNet, assert_same_weights, make_images,
                       options, reference_training)
@@ -67,7 +68,7 @@ def _inference_writes_input(backend):
 @pytest.mark.parametrize("backend", ["graph", "aot_eager"])
 def test_training_matches_plain_pytorch(backend):
     model = _train_against_reference(backend)
-    assert model._session.backend.name == backend
+    assert compiled_model(model).session.backend.name == backend
 
 
 @pytest.mark.parametrize("backend", ["graph", "aot_eager"])
@@ -78,7 +79,7 @@ def test_writes_to_inputs_reach_the_caller(backend):
 @pytest.mark.slow
 def test_inductor_training_matches_plain_pytorch():
     model = _train_against_reference("inductor", accumulation=2)
-    step = model._session.steps["update"]
+    step = compiled_model(model).session.steps["update"]
     assert type(step).__name__ == "InductorStep"
 
 
@@ -94,7 +95,7 @@ def test_auto_is_the_graph_backend_on_cpu():
     x, y = make_images(2)
     model(x, y)
     assert model.options.backend == "auto"
-    assert model._session.backend.name == "graph"
+    assert compiled_model(model).session.backend.name == "graph"
 
 
 def test_environment_variable_selects_the_backend(monkeypatch):
@@ -102,7 +103,7 @@ def test_environment_variable_selects_the_backend(monkeypatch):
     torch.manual_seed(0)
     model = poptorch.inferenceModel(BatchNormNet().eval())
     model(*make_images(2))
-    assert model._session.backend.name == "aot_eager"
+    assert compiled_model(model).session.backend.name == "aot_eager"
 
 
 def test_set_backend_takes_precedence_over_the_environment(monkeypatch):
@@ -110,7 +111,7 @@ def test_set_backend_takes_precedence_over_the_environment(monkeypatch):
     opts = poptorch.Options().setBackend("graph")
     model = poptorch.inferenceModel(BatchNormNet().eval(), opts)
     model(*make_images(2))
-    assert model._session.backend.name == "graph"
+    assert compiled_model(model).session.backend.name == "graph"
 
 
 def test_unknown_backend_in_the_environment_is_an_error(monkeypatch):
@@ -169,7 +170,7 @@ def test_cuda_graphs_are_not_used_on_the_cpu():
     x, y = make_images(4)
     model(x, y)
     reference_training(twin, reference, (x, y), 2)
-    assert model._cuda_graph_call is None
+    assert compiled_model(model).cuda_graph_call is None
     assert_same_weights(net, twin, atol=1e-5)
 
 
@@ -194,7 +195,7 @@ def _cuda_training(cuda_graphs, calls, lr_change_at=None):
 def test_cuda_graph_training_matches_the_plain_loop():
     plain_net, plain_losses, _ = _cuda_training(False, 4, lr_change_at=2)
     graph_net, graph_losses, model = _cuda_training(True, 4, lr_change_at=2)
-    assert model._cuda_graph_call is not None
+    assert compiled_model(model).cuda_graph_call is not None
     torch.testing.assert_close(torch.stack(graph_losses),
                                torch.stack(plain_losses))
     assert_same_weights(graph_net, plain_net, atol=1e-5)
@@ -209,7 +210,7 @@ def test_cuda_graph_inference_sees_new_weights():
             "graph", cuda_graphs=True))
     x, y = make_images(4)
     first = model(x, y)[0]
-    assert model._cuda_graph_call is not None
+    assert compiled_model(model).cuda_graph_call is not None
     with torch.no_grad():
         net.fc.weight.mul_(2.0)
     model.copyWeightsToDevice()

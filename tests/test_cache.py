@@ -309,7 +309,7 @@ def _all_sets_passed() -> bool:
     reports (probing in this process)."""
     from torch._inductor import cpu_vec_isa
     cpu_vec_isa.valid_vec_isa_list()
-    return vector_isa._all_passed(vector_isa.machine())
+    return vector_isa.all_checks_passed(vector_isa.machine())
 
 
 @pytest.fixture

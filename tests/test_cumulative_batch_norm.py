@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import (assert_same_weights, make_data, options,
                       reference_training)
 
@@ -48,7 +49,7 @@ def test_training_keeps_the_cumulative_average_like_pytorch(stages):
                        (x, y), device_iterations=3, accumulation=3)
     assert int(net.norm.num_batches_tracked) == 9
     if stages:
-        assert len(model._staged._staged.stages) == 2
+        assert len(compiled_model(model).engine.execution.graph.stages) == 2
     assert_same_weights(net, twin, atol=1e-6)
     assert net.norm.momentum is None
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import (assert_same_weights, make_data, options,
                       reference_training)
 
@@ -45,7 +46,7 @@ def test_bincount_with_minlength_has_minlength_bins(method):
     wrapper = poptorch.inferenceModel(
         model, options(device_iterations=2, replicas=2))
     counts, sums = wrapper(x, y)
-    assert wrapper._replicas.path == "vectorised"
+    assert compiled_model(wrapper).engine.replicas.path == "vectorised"
     with torch.no_grad():
         expected = [model(xs, ys) for xs, ys in
                     zip(_micro_batches(x, 4), _micro_batches(y, 4))]
@@ -120,7 +121,7 @@ def test_bincount_in_training_matches_pytorch():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapper = poptorch.trainingModel(model, opts, optimizer)
     _, loss = wrapper(x, y)
-    assert wrapper._replicas.path == "vectorised"
+    assert compiled_model(wrapper).engine.replicas.path == "vectorised"
     expected = reference_training(
         reference, torch.optim.SGD(reference.parameters(), lr=0.1), (x, y),
         device_iterations=2, accumulation=2, replicas=2)

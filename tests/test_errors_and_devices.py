@@ -125,9 +125,9 @@ def test_cpu_models_refuse_an_existing_nccl_group(monkeypatch):
     environment = ProcessEnvironment.for_process(0, 2)
     with pytest.raises(poptorch.Error, match="initialised with the nccl "
                                              "backend.*model on the CPU"):
-        process_group._check_existing_group(environment,
+        process_group.check_existing_group(environment,
                                             torch.device("cpu"))
-    process_group._check_existing_group(environment,
+    process_group.check_existing_group(environment,
                                         torch.device("cuda", 0))
 
 

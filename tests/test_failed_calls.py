@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import (BatchNormNet, ClassifierMLP, TwoBlocksNet,
                       assert_same_weights, make_data, make_images, options,
                       reference_training)
@@ -204,7 +205,7 @@ def test_the_loss_of_a_vectorised_replica_is_named():
                        match="the loss of replica 3 is not finite in device "
                              "iteration 1 of 2"):
         model(x, y)
-    assert model._replicas.path == "vectorised"
+    assert compiled_model(model).engine.replicas.path == "vectorised"
 
 
 def test_automatic_loss_scaling_skips_overflowing_gradients_instead():

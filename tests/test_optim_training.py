@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import (ClassifierMLP, assert_same_weights, checkpoint,
                       make_data, options, reference_training)
 from poptorch._impl.optimizers import loss_scaling
@@ -81,8 +82,8 @@ def pair():
 
 def snapshot(model):
     """Copies of the model's device weights and optimizer device state."""
-    weights = [p.clone() for p in model._state.params]
-    state = [t.clone() for t in model._state.optimizer]
+    weights = [p.clone() for p in compiled_model(model).state.params]
+    state = [t.clone() for t in compiled_model(model).state.optimizer]
     return weights, state
 
 
@@ -375,11 +376,11 @@ def test_resuming_from_state_dicts_is_bit_identical(case, compile_first):
     run_calls(model, 0, 3)
 
     saved_module = fresh_mlp()
-    saved = poptorch.trainingModel(saved_module, opts,
-                                   make(saved_module.parameters()))
+    saved_optimizer = make(saved_module.parameters())
+    saved = poptorch.trainingModel(saved_module, opts, saved_optimizer)
     run_calls(saved, 0, 2)
     weights = checkpoint(saved.state_dict())
-    optimizer_state = checkpoint(saved._optimizer.state_dict())
+    optimizer_state = checkpoint(saved_optimizer.state_dict())
 
     resumed_module = fresh_mlp(seed=1)
     optimizer = make(resumed_module.parameters())
@@ -545,14 +546,14 @@ def test_variable_attributes_take_effect_without_recompiling(pair):
     model = poptorch.trainingModel(mlp, options(2), optimizer)
     reference = T.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     train_both(model, twin, reference, calls=2, clip=0.05)
-    steps = model._session.steps
+    steps = compiled_model(model).session.steps
     optimizer.param_groups[0]["momentum"] = 0.5
     optimizer.loss_scaling = 32.0
     optimizer.max_grad_norm = 0.2
     model.setOptimizer(optimizer)
     reference.param_groups[0]["momentum"] = 0.5
     train_both(model, twin, reference, calls=2, clip=0.2)
-    assert model._session.steps is steps
+    assert compiled_model(model).session.steps is steps
     assert model.current_loss_scale == 32.0
     assert_same_weights(mlp, twin, atol=ATOL)
 
@@ -561,7 +562,7 @@ def test_loss_scaling_passed_to_the_constructor_is_a_runtime_input(mlp):
     optimizer = P.SGD(mlp.parameters(), lr=0.1, loss_scaling=8.0)
     model = poptorch.trainingModel(mlp, options(2), optimizer)
     model(*make_data(4))
-    code = model._session.graphs["update"].code
+    code = compiled_model(model).session.graphs["update"].code
     assert "8.0" not in code
     optimizer.loss_scaling = 16.0
     model.setOptimizer(optimizer)
@@ -766,7 +767,7 @@ def test_automatic_loss_scaling_keeps_fp32_training_unchanged(pair):
     train_both(model, twin, T.Adam(twin.parameters(), lr=0.01, eps=1e-6),
                accumulation=2, calls=3, clip=10.0)
     assert_same_weights(mlp, twin, atol=ATOL)
-    for graph in model._session.graphs.values():
+    for graph in compiled_model(model).session.graphs.values():
         assert not any("_local_scalar_dense" in str(node.target)
                        for node in graph.graph.nodes)
 
@@ -803,9 +804,10 @@ def test_off_chip_optimizer_state_lives_in_pinned_host_memory_on_cuda():
     for call in range(3):
         on_chip(*make_data(4, seed=call))
         off_chip(*make_data(4, seed=call))
-        state = off_chip._state.optimizer
+        state = compiled_model(off_chip).state.optimizer
         assert all(t.device.type == "cpu" and t.is_pinned() for t in state)
-        assert all(t.is_cuda for t in on_chip._state.optimizer)
+        assert all(t.is_cuda
+                   for t in compiled_model(on_chip).state.optimizer)
     for a, b in zip(on_chip_module.parameters(),
                     off_chip_module.parameters()):
         assert torch.equal(a, b)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from poptorch._impl import replica_batch_norm
 from conftest import (BatchNormNet, ClassifierMLP, assert_same_weights,
                       make_data, make_images, options, reference_training)
@@ -36,7 +37,7 @@ def test_replicas_train_like_plain_pytorch(mlp, twin, replicas, reduction):
     expected = _reference(twin, inputs, device_iterations=2, accumulation=3,
                           replicas=replicas,
                           mean=reduction == poptorch.ReductionType.Mean)
-    assert model._replicas.path == "vectorised"
+    assert compiled_model(model).engine.replicas.path == "vectorised"
     torch.testing.assert_close(losses, expected, atol=1e-6, rtol=1e-5)
     assert_same_weights(mlp, twin)
 
@@ -66,8 +67,10 @@ def test_vectorised_step_is_one_batch_of_all_replicas(mlp):
     contracting them, for the weight gradients)."""
     single, _ = _train(copy.deepcopy(mlp), options(), make_data(5))
     replicated, _ = _train(mlp, options(replicas=4), make_data(20))
-    rows_single = _matmul_rows(single._session.graphs["update"])
-    rows_replicated = _matmul_rows(replicated._session.graphs["update"])
+    rows_single = _matmul_rows(
+        compiled_model(single).session.graphs["update"])
+    rows_replicated = _matmul_rows(
+        compiled_model(replicated).session.graphs["update"])
     assert len(rows_replicated) == len(rows_single)
     assert rows_replicated == sorted(4 * rows if rows == 5 else rows
                                      for rows in rows_single)
@@ -115,7 +118,7 @@ def test_batchnorm_statistics_stay_per_replica(twin_bn=None):
     model, (_, losses) = _train(net, options(replicas=4,
                                              broadcastBuffers=False), inputs)
     buffer_sets = _assert_per_replica_training(net, twin, inputs, 4, losses)
-    assert model._replicas.path == "vectorised"
+    assert compiled_model(model).engine.replicas.path == "vectorised"
     assert not torch.equal(buffer_sets[0]["bn.running_mean"],
                            buffer_sets[1]["bn.running_mean"])
 
@@ -134,7 +137,7 @@ def test_batchnorm_trains_per_replica_with_buffers_broadcast(replicas):
 
 
 def _batch_norm_ops(model) -> list:
-    graph = model._session.graphs["update"].graph
+    graph = compiled_model(model).session.graphs["update"].graph
     return [node.target for node in graph.nodes
             if "batch_norm" in str(node.target)]
 
@@ -215,7 +218,7 @@ def test_replica_batch_norm_statistics_have_the_kernels_dtype(
     float16; its GPU kernel (any other device here) in float32."""
     x = torch.empty(2, 4, 3, 5, 5, dtype=dtype, device=device)
     weight = torch.empty(3, dtype=dtype, device=device)
-    assert replica_batch_norm._statistics(x, weight, None).dtype == expected
+    assert replica_batch_norm.statistics_storage(x, weight, None).dtype == expected
 
 
 class _Doubler(torch.autograd.Function):
@@ -244,7 +247,7 @@ def test_models_vmap_cannot_trace_fall_back_to_sequential(poptorch_log):
     inputs = make_data(2 * 2 * 3)
     model, _ = _train(net, options(accumulation=2, replicas=2), inputs)
     _reference(twin, inputs, accumulation=2, replicas=2)
-    assert model._replicas.path == "sequential"
+    assert compiled_model(model).engine.replicas.path == "sequential"
     assert "falling back to the sequential path" in poptorch_log.text
     assert "autograd.Function" in poptorch_log.text
     assert_same_weights(net, twin)
@@ -265,7 +268,7 @@ class _CountingModel(torch.nn.Module):
 def test_shared_written_buffers_in_inference_run_replicas_in_turn():
     model = poptorch.inferenceModel(_CountingModel(), options(replicas=3))
     out = model(torch.ones(3, 2))
-    assert model._replicas.path == "sequential"
+    assert compiled_model(model).engine.replicas.path == "sequential"
     torch.testing.assert_close(out, torch.tensor([[1.0] * 2, [2.0] * 2,
                                                   [3.0] * 2]))
 
@@ -285,7 +288,7 @@ def test_inference_outputs_keep_replica_order(mlp, mode, period, factor):
     x, _ = make_data(3 * 4 * 2)
     model = poptorch.inferenceModel(copy.deepcopy(mlp), opts)
     out = model(x)
-    assert model._replicas.path == "vectorised"
+    assert compiled_model(model).engine.replicas.path == "vectorised"
     per_step = mlp(x).detach().unflatten(0, (3, 4, 2))
     expected = {poptorch.OutputMode.All: per_step,
                 poptorch.OutputMode.EveryN: per_step[2:],

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from poptorch._impl import staged_execution
 from poptorch._impl.pipeline import PipelineSchedule
 from poptorch._impl.sequential_stages import SequentialSchedule
@@ -152,12 +153,12 @@ def test_training_with_momentum_matches_plain_pytorch(make_strategy):
         torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     train_both(model, twin, reference)
-    staged = model._staged
-    assert staged is not None and len(staged._modules) == 4
+    staged = compiled_model(model).engine.execution
+    assert len(staged.modules) == 4
     expected = (PipelineSchedule
                 if isinstance(strategy, poptorch.PipelinedExecution)
                 else SequentialSchedule)
-    assert isinstance(staged._schedule, expected)
+    assert isinstance(staged.schedule, expected)
     model.copyWeightsToHost()
     assert_trained_like(net, twin, initial)
 
@@ -226,8 +227,9 @@ def test_inference_equals_the_plain_model(make_strategy):
             expected = twin(x)
         assert out.shape == (4 * BATCH, 3)
         close(out, expected)
-    assert len(model._staged._modules) == 4
-    assert isinstance(model._staged._schedule, SequentialSchedule)
+    staged = compiled_model(model).engine.execution
+    assert len(staged.modules) == 4
+    assert isinstance(staged.schedule, SequentialSchedule)
     model.copyWeightsToHost()
     assert_same_weights(net, twin)
 
@@ -299,11 +301,12 @@ def recomputation_run(checkpoint, make_strategy):
 @parametrize_strategies(ANY_BLOCKS)
 def test_checkpoints_cut_the_stage_into_recomputed_segments(make_strategy):
     model, with_checkpoint = recomputation_run(True, make_strategy)
-    first, second = model._staged._modules
+    first, second = compiled_model(model).engine.execution.modules
     assert len(first.segments) == 2
     assert second.segments == []
     plain_model, without = recomputation_run(False, make_strategy)
-    assert [m.segments for m in plain_model._staged._modules] == [[], []]
+    plain_modules = compiled_model(plain_model).engine.execution.modules
+    assert [m.segments for m in plain_modules] == [[], []]
     # Without the checkpoint, the wide tensors of 3 micro-batches are kept
     # (about 16 KiB each); with it, only the segment's inputs are.
     assert without > 100_000
@@ -358,7 +361,7 @@ def train_crossing(net, make_strategy, running_mean=False):
         outputs, losses = plain_training(twin, reference, x, y, 2, 5)
         close(out, outputs[-BATCH:])
         close(loss, losses[-1])
-    assert len(model._staged._modules) == 3
+    assert len(compiled_model(model).engine.execution.modules) == 3
     model.copyWeightsToHost()
     assert_same_weights(net, twin)
 
@@ -483,7 +486,7 @@ def test_replicas_keep_their_own_buffers_across_the_stages(make_strategy,
         close(value, expected, msg=name)
     for name, value in net.named_buffers():
         close(value, buffer_sets[0][name])
-    state = model._state
+    state = compiled_model(model).state
     for name, value in zip(state.buffer_names, state.buffers[1]):
         close(value, buffer_sets[1][name])
     assert not torch.equal(buffer_sets[0]["bn.running_mean"],
@@ -502,7 +505,7 @@ def test_a_saved_pipelined_training_model_loads_and_trains_on(tmp_path):
     path = tmp_path / "pipelined.poptorch"
     model.save(path)
     loaded = poptorch.load(path)
-    assert loaded._staged is not None
+    assert compiled_model(loaded).engine.runs_stages
     for call in range(1, 3):
         data = make_data(ROWS, seed=call)
         for expected, got in zip(model(*data), loaded(*data)):
@@ -694,7 +697,7 @@ def test_trained_weights_reach_the_host_and_inference_models():
     inference = poptorch.inferenceModel(net, options(4))
     with torch.no_grad():
         close(inference(x), twin.eval()(x))
-    assert inference._staged is not None
+    assert compiled_model(inference).engine.runs_stages
     net.train()
     twin.train()
     training = poptorch.trainingModel(
@@ -702,7 +705,7 @@ def test_trained_weights_reach_the_host_and_inference_models():
         torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     train_both(training, twin, reference, calls=1)
-    assert training._staged is not None
+    assert compiled_model(training).engine.runs_stages
     twin.eval()
     with torch.no_grad():
         expected = twin(x)
@@ -724,12 +727,12 @@ def test_set_optimizer_changes_the_learning_rate_from_the_next_call():
         net, options(ITERATIONS, ACCUMULATION), optimizer)
     reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     train_both(model, twin, reference, calls=1)
-    staged = model._staged
+    staged = compiled_model(model).engine.execution
     optimizer.param_groups[0]["lr"] = 0.5
     model.setOptimizer(optimizer)
     reference.param_groups[0]["lr"] = 0.5
     train_both(model, twin, reference, calls=2, first_seed=1)
-    assert model._staged is staged
+    assert compiled_model(model).engine.execution is staged
     model.copyWeightsToHost()
     assert_trained_like(net, twin, initial)
     # Had the new rate been ignored, the weights would differ.
@@ -809,19 +812,21 @@ def test_a_partial_update_equals_the_full_one_on_its_weights():
     opts.setExecutionStrategy(poptorch.ShardedExecution("A", "B", "C", "D"))
     model = poptorch.trainingModel(net, opts, optimizer)
     model(*make_data(ROWS))
-    staged, layout = model._staged, model._staged._training_layout
+    compiled = compiled_model(model)
+    staged = compiled.engine.execution
+    layout = staged.training_layout
     state = TrainingState(
-        [model._state.params[i] for i in layout.trainable], [], [[]],
-        list(model._state.optimizer), list(model._hyper))
+        [compiled.state.params[i] for i in layout.trainable], [], [[]],
+        list(compiled.state.optimizer), list(compiled.training.hyper))
     example = {"trainable": state.trainable, "state": state.optimizer,
                "hyper": state.hyper}
     grads = [torch.randn_like(t) for t in state.trainable]
     everything = list(range(len(state.trainable)))
     some = [1, 2, 5]
     full, part = _state_copy(state), _state_copy(state)
-    staged_execution._PartialUpdate(layout, staged._settings, example,
+    staged_execution.PartialUpdate(layout, staged.settings, example,
                                     everything)(full, [g.clone() for g in grads])
-    staged_execution._PartialUpdate(layout, staged._settings, example,
+    staged_execution.PartialUpdate(layout, staged.settings, example,
                                     some)(part, [g.clone() for g in grads])
     state_of = layout.state_indices()
     for position in everything:
@@ -869,7 +874,8 @@ def _stages_and_one_graph(make_options, make_optimizer, strategy):
         data = make_data(ITERATIONS * ACCUMULATION * BATCH, seed=call)
         staged(*data)
         single(*data)
-    assert staged._staged is not None and single._staged is None
+    assert compiled_model(staged).engine.runs_stages
+    assert not compiled_model(single).engine.runs_stages
     staged.copyWeightsToHost()
     single.copyWeightsToHost()
     return net, twin, staged
@@ -892,7 +898,7 @@ def test_a_float16_accum_type_matches_the_single_graph(strategy):
     net, twin, staged = _stages_and_one_graph(
         lambda: options(ITERATIONS, ACCUMULATION), optimizer, strategy)
     assert_same_weights(net, twin, atol=1e-6)
-    combined = staged._staged._view._combined
+    combined = compiled_model(staged).engine.execution.gradient_buffers
     assert combined and all(buffers[0].dtype == torch.float16
                             for buffers in combined.values())
 
@@ -924,7 +930,7 @@ def test_buffers_of_a_later_stage_are_not_passed_as_activations(strategy):
     x, y = make_data(ROWS)
     out, _ = model(x, y)
     outputs, _ = plain_training(twin, _sgd(twin), x, y)
-    assert model._staged.stage_count == 2
+    assert compiled_model(model).engine.execution.stage_count == 2
     close(out, outputs[-BATCH:])
     model.copyWeightsToHost()
     assert_same_weights(net, twin)
@@ -1103,7 +1109,8 @@ def test_grouped_weights_train_like_the_single_graph(strategy, reduction):
         data = make_data(2 * 3 * 4 * BATCH, seed=call)
         got, expected = models[0](*data), models[1](*data)
         close(got[1], expected[1])
-    assert models[0]._staged is not None and models[1]._staged is None
+    assert compiled_model(models[0]).engine.runs_stages
+    assert not compiled_model(models[1]).engine.runs_stages
     for model in models:
         model.copyWeightsToHost()
     assert_same_weights(net, twin)
@@ -1152,7 +1159,8 @@ class LaterBlocks(torch.nn.Module):
 
 def _stage_parameters(model):
     """The model's parameter indices each stage reads."""
-    return [part.sources for part in model._staged._staged.stages]
+    stages = compiled_model(model).engine.execution.graph.stages
+    return [part.sources for part in stages]
 
 
 @pytest.mark.parametrize("make_strategy, first_ipu, stages", [

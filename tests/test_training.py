@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import (BatchNormNet, assert_same_weights, make_data,
                       make_images, options, reference_training)
 
@@ -125,9 +126,9 @@ def test_set_optimizer_applies_lr_scheduler_without_recompiling(mlp, twin):
             model.setOptimizer(optimizer)
             reference_training(twin, reference, (x, y), 2)
             reference_scheduler.step()
-    steps = model._session.steps
+    steps = compiled_model(model).session.steps
     assert_same_weights(mlp, twin)
-    assert model._session.steps is steps
+    assert compiled_model(model).session.steps is steps
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
 
 
@@ -256,7 +257,7 @@ def test_torch_checkpoint_recomputes_with_the_current_weights(replicas,
     reference_training(twin, reference, (x, y), device_iterations=2,
                        accumulation=2, replicas=replicas)
     assert_same_weights(net, twin, atol=1e-6)
-    assert model._replicas.path == path
+    assert compiled_model(model).engine.replicas.path == path
 
 
 def test_reentrant_torch_checkpoint_is_an_error_naming_the_fix():

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import assert_same_weights, options, reference_training
 
 E, HEADS, FEEDFORWARD, SEQUENCE, CLASSES = 8, 2, 16, 5, 3
@@ -91,7 +92,7 @@ def test_encoder_inference_matches_pytorch(name):
     wrapper = poptorch.inferenceModel(
         model, options(device_iterations=2, replicas=2))
     captured = wrapper(x, padding)
-    assert wrapper._replicas.path == "vectorised"
+    assert compiled_model(wrapper).engine.replicas.path == "vectorised"
     regular = _per_micro_batch(model, 4, x, padding)
     with torch.no_grad():
         fast = _per_micro_batch(model, 4, x, padding)
@@ -156,7 +157,7 @@ def test_transformer_inference_matches_pytorch():
     wrapper = poptorch.inferenceModel(
         model, options(device_iterations=2, replicas=2))
     captured = wrapper(source, target, padding)
-    assert wrapper._replicas.path == "vectorised"
+    assert compiled_model(wrapper).engine.replicas.path == "vectorised"
     with torch.no_grad():
         fast = _per_micro_batch(model, 4, source, target, padding)
     regular = _per_micro_batch(model, 4, source, target, padding)

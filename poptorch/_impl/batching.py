@@ -22,6 +22,19 @@ class BatchLayout:
     input_group_size: int = 1
     input_group_type: CommGroupType = CommGroupType.Consecutive
 
+    @staticmethod
+    def from_options(options, training: bool = True) -> "BatchLayout":
+        """The layout of ``options`` (a ``poptorch.Options``): a model's
+        calls, or a DataLoader's combined batches (``training``: with the
+        options' gradient accumulation; an inference model has none)."""
+        return BatchLayout(
+            device_iterations=options.device_iterations,
+            gradient_accumulation=(options.Training.gradient_accumulation
+                                   if training else 1),
+            replicas=options.replication_factor,
+            input_group_size=options.input_group_size,
+            input_group_type=options.input_group_type)
+
     @property
     def data_replicas(self) -> int:
         """Number of distinct slices of data per micro-batch step."""

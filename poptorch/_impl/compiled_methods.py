@@ -2,8 +2,9 @@
 11.4): precompilation (``compileAndExport``, ``save``, ``loadExecutable``),
 tensor names and anchored tensors, and the timings of the last call.
 
-``PoplarExecutor`` inherits them; they work on its compiled state through
-``serialization/export.py``, ``names.py`` and ``perf_counters.py``.
+``PoplarExecutor`` inherits them; they work on its compiled model
+(``compiled_model.py``) through ``serialization/export.py``, ``names.py``
+and ``perf_counters.py``.
 """
 from typing import Dict, List, Tuple
 
@@ -13,6 +14,7 @@ from ..errors import Error
 from .names import tensor_names
 from .perf_counters import require_timer
 from .serialization import export
+from .signature import CallArguments
 
 
 class CompiledExecutionMethods:
@@ -35,8 +37,7 @@ class CompiledExecutionMethods:
         """
         export.check_destination(filename, "compileAndExport")
         if self.isCompiled():
-            from .signature import CallArguments
-            self._signature.check(
+            self._compiled.signature.check(
                 CallArguments(self._module.forward, args, kwargs))
         else:
             self.compile(*args, **kwargs)
@@ -47,11 +48,14 @@ class CompiledExecutionMethods:
         """Save the compiled model to ``filename`` (see
         ``compileAndExport``); ``save_rng_state`` also saves the random
         number generator's seed and state, which loading restores."""
-        self._require_compiled("save")
+        compiled = self._require_compiled("save")
         export.check_destination(filename, "save")
         _check_bool("save export_model", export_model)
         _check_bool("save save_rng_state", save_rng_state)
-        export.write(str(filename), self, export_model, save_rng_state)
+        if export_model:
+            self.copyWeightsToHostIfNeeded()
+        export.write(str(filename), self._wrapped(), compiled, export_model,
+                     save_rng_state)
 
     def loadExecutable(self, filename: str) -> None:
         """Load an executable previously saved by ``compileAndExport`` or
@@ -61,18 +65,12 @@ class CompiledExecutionMethods:
         tensors are read from the file (no pickle, no compiled code): with
         the inductor backend the executable is compiled again, or loaded
         from the executable cache."""
-        self._load_exported(export.read(str(filename), trusted=False),
-                            with_optimizer=False)
+        load_exported(self, export.read(str(filename), trusted=False),
+                      with_optimizer=False)
 
-    def _load_exported(self, exported: export.ExportedFile,
-                       with_optimizer: bool) -> None:
-        if self.isCompiled():
-            raise Error("loadExecutable: this model is already compiled; "
-                        "call destroy() first, or load into a new model")
-        exported.check_matches(self)
-        call = exported.example_call(self._module.forward)
-        self._compile(call, exported.precompiled_steps(), exported.filename)
-        exported.restore_state(self, with_optimizer)
+    def _wrapped(self) -> export.WrappedModel:
+        return export.WrappedModel(self._module, self._optimizer, self._plan,
+                                   self._options, self._training)
 
     # --- tensor names and anchors -------------------------------------------
     def getTensorNames(self) -> List[str]:
@@ -82,20 +80,16 @@ class CompiledExecutionMethods:
         optimizer-state names, then the operations' tensors of the step
         that applies the optimizer update (of the forward pass when the
         model's blocks form several stages)."""
-        self._require_compiled("getTensorNames")
-        if self._staged is not None:
-            graph = self._staged.forward_graph
-        else:
-            graphs = self._session.graphs
-            graph = graphs.get("inference", graphs.get("update"))
+        compiled = self._require_compiled("getTensorNames")
+        graph = compiled.engine.tensor_names_graph(compiled.session)
         return list(tensor_names(graph, self._options.module_namescope))
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The value, in the last call, of the tensor anchored as
         ``short_name`` with ``Options.anchorTensor``, combined over the
         call's iterations per the anchor's output mode."""
-        self._require_compiled("getAnchoredTensor")
-        return self._session.anchors.get(short_name)
+        compiled = self._require_compiled("getAnchoredTensor")
+        return compiled.session.anchors.get(short_name)
 
     # --- timings of the last call -------------------------------------------
     def getPerfCounters(self) -> Dict[str, List[List[float]]]:
@@ -103,7 +97,7 @@ class CompiledExecutionMethods:
         the last call: ``input``, ``input_complete``, ``output`` and
         ``output_complete``, each a list per input (output) tensor of one
         value per device iteration."""
-        return require_timer(self._timer, "getPerfCounters").counters()
+        return require_timer(self._last_timer(), "getPerfCounters").counters()
 
     def getLatency(self) -> Tuple[float, float, float]:
         """Round-trip latency of the last call: (min, max, average) over
@@ -123,39 +117,25 @@ class CompiledExecutionMethods:
         return self._latency("getIpuHostLatency", "ipu_host")
 
     def _latency(self, what: str, kind: str) -> Tuple[float, float, float]:
-        return require_timer(self._timer, what).latencies()[kind]
+        return require_timer(self._last_timer(), what).latencies()[kind]
 
-    # --- state of CUDA graph replays ------------------------------------------
-    def _state_io(self):
-        """(read, write) the flat device state a call reads and replaces:
-        parameters, buffers of every set, optimizer state and
-        hyper-parameters."""
-        state = self._state
-        sizes = [len(state.params)] + [len(b) for b in state.buffers]
+    def _last_timer(self):
+        return self._compiled.timer if self._compiled is not None else None
 
-        def read() -> List[torch.Tensor]:
-            tensors = list(state.params)
-            for buffers in state.buffers:
-                tensors += buffers
-            if self._training:
-                tensors += list(state.optimizer) + list(self._hyper)
-            return tensors
 
-        def write(tensors: List[torch.Tensor]) -> None:
-            start = 0
-            for index, size in enumerate(sizes):
-                part = tensors[start:start + size]
-                if index == 0:
-                    state.params[:] = part
-                else:
-                    state.buffers[index - 1][:] = part
-                start += size
-            if self._training:
-                count = len(state.optimizer)
-                state.optimizer = list(tensors[start:start + count])
-                self._hyper = list(tensors[start + count:])
-
-        return read, write
+def load_exported(executor, exported: export.ExportedFile,
+                  with_optimizer: bool) -> None:
+    """Compile ``executor`` (a ``PoplarExecutor``) from an exported file
+    (``loadExecutable``, ``poptorch.load``): the file's steps replace
+    compilation, and its random generator state (and, with
+    ``with_optimizer``, optimizer state) is restored."""
+    if executor.isCompiled():
+        raise Error("loadExecutable: this model is already compiled; "
+                    "call destroy() first, or load into a new model")
+    exported.check_matches(executor._wrapped())
+    call = exported.example_call(executor.model.forward)
+    executor._compile(call, exported.precompiled_steps(), exported.filename)
+    exported.restore_state(executor._compiled, with_optimizer)
 
 
 def _check_bool(what: str, value) -> None:

@@ -40,7 +40,7 @@ def replica_batch_norm(x: Tensor, weight: Optional[Tensor],
     inverse deviations, new running means, new running variances), all
     stacked over replicas."""
     out = torch.empty_like(x)
-    save_mean = _statistics(x, weight, running_mean)
+    save_mean = statistics_storage(x, weight, running_mean)
     save_invstd = torch.empty_like(save_mean)
     new_mean = _copy(running_mean, x)
     new_var = _copy(running_var, x)
@@ -55,13 +55,13 @@ def replica_batch_norm(x: Tensor, weight: Optional[Tensor],
 @replica_batch_norm.register_fake
 def _replica_batch_norm_fake(x, weight, bias, running_mean, running_var,
                              momentum, eps) -> _Stats:
-    stats = _statistics(x, weight, running_mean)
+    stats = statistics_storage(x, weight, running_mean)
     return (torch.empty_like(x), stats, torch.empty_like(stats),
             _copy(running_mean, x), _copy(running_var, x))
 
 
-def _statistics(x: Tensor, weight: Optional[Tensor],
-                running_mean: Optional[Tensor]) -> Tensor:
+def statistics_storage(x: Tensor, weight: Optional[Tensor],
+                       running_mean: Optional[Tensor]) -> Tensor:
     """An [R, C] tensor for per-replica statistics, in the kernel's dtype
     for them: on the CPU the parameters' (the input's without any), on
     other devices float32 for float16 and bfloat16 inputs."""

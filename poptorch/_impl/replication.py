@@ -43,9 +43,10 @@ stacked outputs and hands each replica's slice to the output collector.
 import contextlib
 import dataclasses
 import functools
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
 from ..enums import ReductionType, VariableRetrievalMode
 from ..errors import Error
@@ -59,6 +60,7 @@ from .replica_attention import batched_attention
 from .replica_batch_norm import per_replica_statistics
 from .replica_grouping import GroupedWeights, ReplicaGrouping
 from .training_step import micro_batch_forward, trace_training_step
+from .weight_sync import host_reads_suspended
 
 SINGLE = "single"
 VECTORISED = "vectorised"
@@ -72,6 +74,50 @@ def check_layout(layout: BatchLayout) -> None:
             f"inputReplicaGrouping input_group_size "
             f"({layout.input_group_size}) must be a factor of "
             f"replicationFactor ({layout.replicas})")
+
+
+def buffer_sets(options, training: bool, module: torch.nn.Module,
+                training_flags: Dict[str, bool]) -> int:
+    """One set of buffers, or one per replica: with
+    ``broadcastBuffers(False)``, and in training when normalisation layers
+    update their running statistics, which each replica keeps for itself as
+    on IPUs (the host sees the first replica's)."""
+    if options.broadcast_buffers and not (
+            training and _running_statistics(module, training_flags)):
+        return 1
+    return options.replication_factor
+
+
+def check_buffers_unwritten(module: torch.nn.Module,
+                            training_flags: Dict[str, bool],
+                            buffer_names: List[str], written: List[int],
+                            broadcast: bool) -> None:
+    """Buffers broadcast to several replicas (``broadcast``) cannot be
+    written by the model's own code (PopTorch refuses them too);
+    normalisation statistics are kept per replica instead."""
+    statistics = _running_statistics(module, training_flags)
+    names = [buffer_names[i] for i in written
+             if buffer_names[i] not in statistics]
+    if broadcast and names:
+        raise Error(
+            f"The model writes to its buffers during training "
+            f"({', '.join(names)}) and buffers are broadcast to several "
+            "replicas: a broadcast buffer cannot be written by the model. "
+            "Set options.broadcastBuffers(False) so that each replica "
+            "keeps its own buffers.")
+
+
+def _running_statistics(module: torch.nn.Module,
+                        training_flags: Dict[str, bool]) -> Set[str]:
+    """The names of the running-statistics buffers that the module's
+    normalisation layers (BatchNorm, InstanceNorm with
+    ``track_running_stats``) update in training mode."""
+    with host_reads_suspended():
+        return {f"{path}{'.' if path else ''}{name}"
+                for path, layer in module.named_modules()
+                if isinstance(layer, _NormBase) and layer.track_running_stats
+                and training_flags.get(path, True)
+                for name, _ in layer.named_buffers(recurse=False)}
 
 
 class _ReplicaOutputs:

@@ -90,6 +90,10 @@ class CallArguments:
         return [i for i, leaf in enumerate(self.leaves)
                 if isinstance(leaf, torch.Tensor)]
 
+    def tensors(self) -> List[torch.Tensor]:
+        """The call's tensors, in flattening order."""
+        return [self.leaves[i] for i in self.tensor_positions()]
+
 
 def _unknown_dict(value: Any) -> bool:
     return (isinstance(value, dict)

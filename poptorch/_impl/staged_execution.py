@@ -63,7 +63,7 @@ from .replica_grouping import GroupedWeights
 from .sequential_stages import SequentialSchedule
 from .stages import (REPLICA_KEY, StagedGraph, StageModule, StageState,
                      input_name)
-from .strategies import PipelinedExecution, _PhasedExecution
+from .strategies import PipelinedExecution
 from .training_step import (StepSettings, TrainingLayout, trace_update_step,
                             update_donation)
 
@@ -139,13 +139,43 @@ class StagedExecution:
         self._processes: Optional[PipelineProcesses] = None
 
     def _sequential_schedule(self) -> SequentialSchedule:
-        liveness = (self._strategy.liveness
-                    if isinstance(self._strategy, _PhasedExecution) else None)
-        return SequentialSchedule(self._modules, self._device, liveness)
+        return SequentialSchedule(self._modules, self._device,
+                                  self._strategy.liveness)
 
     @property
     def stage_count(self) -> int:
         return len(self._modules)
+
+    @property
+    def modules(self) -> List[StageModule]:
+        """The stage partitions, in order."""
+        return list(self._modules)
+
+    @property
+    def schedule(self):
+        """The schedule that runs the stages' micro-batches."""
+        return self._schedule
+
+    @property
+    def graph(self) -> StagedGraph:
+        """The forward graph and its stages."""
+        return self._staged
+
+    @property
+    def training_layout(self) -> Optional[TrainingLayout]:
+        return self._training_layout
+
+    @property
+    def settings(self) -> Optional[StepSettings]:
+        """The training step's settings."""
+        return self._settings
+
+    @property
+    def gradient_buffers(self) -> Dict[int, List[torch.Tensor]]:
+        """The per-micro-batch gradient buffers of the parameters whose
+        gradients are combined outside ``.grad`` (another dtype, running
+        means), by parameter index."""
+        return self._view.combined
 
     @property
     def forward_graph(self) -> torch.fx.GraphModule:
@@ -175,7 +205,7 @@ class StagedExecution:
             partial = processes.partial_gradients(
                 [self._owners[layout.trainable[p]][0] == processes.stage
                  for p in positions], self._device)
-        self._update = _PartialUpdate(
+        self._update = PartialUpdate(
             layout, settings, example, positions, partial,
             None if processes is not None else reduce_gradients)
         self._training_layout = layout
@@ -352,7 +382,7 @@ class StagedExecution:
         return owned
 
 
-class _PartialUpdate:
+class PartialUpdate:
     """The optimizer step of some trainable positions: the captured update
     of their restricted layout, run by the graph backend, which writes the
     new weights and optimizer state into the old tensors

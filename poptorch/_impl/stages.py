@@ -250,6 +250,11 @@ class StageState:
                 self.params[i] = tensor
         self.buffer_sets = buffer_sets
 
+    @property
+    def combined(self) -> Dict[int, List[torch.Tensor]]:
+        """The combined gradient buffers, by parameter index."""
+        return self._combined
+
     def buffers(self, inputs: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
         """The buffers of the micro-batch's replica (the only set when
         replicas share buffers)."""

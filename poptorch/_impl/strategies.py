@@ -163,6 +163,12 @@ class ExecutionStrategy:
         """Place each block met during the capture."""
         raise NotImplementedError
 
+    @property
+    def liveness(self) -> Optional[Liveness]:
+        """How long the phases' tensors stay in memory: None for the
+        strategies without phases."""
+        return None
+
 
 def _named(records: Sequence[BlockRecord]) -> List[BlockRecord]:
     """The blocks the model names: explicit stages cannot list the layers

@@ -206,6 +206,21 @@ class StepSettings:
     def reduction(self) -> ReductionType:
         return self.gradients.reduction
 
+    @staticmethod
+    def build(options, plan: OptimizerPlan, layout, step_replicas: int
+              ) -> "StepSettings":
+        """The settings of ``options`` (a ``poptorch.Options``) for the
+        optimizer ``plan``: the reduction of micro-batches (a step covering
+        ``step_replicas`` replicas; a vectorised step is one micro-batch of
+        all replicas) and the global optimizer attributes."""
+        return StepSettings(
+            gradients=GradientReduction.build(
+                options.Training, layout.gradient_accumulation,
+                step_replicas, plan.accum_dtype),
+            attributes=GlobalAttributes.build(
+                plan, options.Training.auto_loss_scaling),
+            finite_checks=options.Precision.floating_point_exceptions)
+
 
 def apply_rules(layout: TrainingLayout, params: List[torch.Tensor],
                 grads: List[torch.Tensor], state: Sequence[torch.Tensor],

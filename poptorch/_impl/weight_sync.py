@@ -94,33 +94,35 @@ class ModuleSync:
 
 
 _training_calls = itertools.count(1)
-_models: "weakref.WeakSet" = weakref.WeakSet()
+_records: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class SharedTensors:
     """One compiled model's host parameters and buffers (by identity), the
     training call that last changed them on its device, and the training
-    calls it has seen."""
+    calls it has seen. The model keeps its record while it is compiled;
+    the records of all compiled models are known here (weakly)."""
 
     def __init__(self, model, tensors: Iterable[torch.Tensor]) -> None:
         self.tensors = frozenset(id(t) for t in tensors)
         self.trained_at = 0
         self.synced_at = 0
-        _models.add(model)
+        self._model = weakref.ref(model)
+        _records.add(self)
 
     def trained(self) -> None:
         """A training call of this model changed its device weights."""
         self.trained_at = self.synced_at = next(_training_calls)
 
-    def stale_sources(self, model) -> List[object]:
+    def stale_sources(self) -> List[object]:
         """The other models that trained tensors of this model since its
         last call or load; marks them seen."""
-        sources = [other for other in list(_models)
-                   if other is not model and other._shared is not None
-                   and other._shared.trained_at > self.synced_at
-                   and other._shared.tensors & self.tensors]
+        sources = [other._model() for other in list(_records)
+                   if other is not self
+                   and other.trained_at > self.synced_at
+                   and other.tensors & self.tensors]
         self.synced_at = next(_training_calls)
-        return sources
+        return [source for source in sources if source is not None]
 
 
 def attach(module: torch.nn.Module) -> ModuleSync:

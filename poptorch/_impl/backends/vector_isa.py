@@ -61,11 +61,11 @@ def remembered_check(directory: str) -> Iterator[None]:
             yield
         return
     yield
-    if current is not None and _all_passed(current):
+    if current is not None and all_checks_passed(current):
         _write(path, current)
 
 
-def _all_passed(current: Dict[str, object]) -> bool:
+def all_checks_passed(current: Dict[str, object]) -> bool:
     """Whether this process checked the instruction sets and all those the
     CPU reports passed."""
     from torch._inductor import cpu_vec_isa

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ...enums import DataLoaderMode
 from ...errors import Error
+from ..batching import BatchLayout
 from ..distributed.environment import instances_per_replica
 from ..logger import info_once
 from .async_accessor import AsynchronousDataAccessor
@@ -295,22 +296,18 @@ def _read_options(options: Any) -> _Settings:
     """The values the loader needs; D x G x R / input_group_size is the
     number of micro-batches in one model call."""
     try:
-        replicas = options.replication_factor
-        group_size = options.input_group_size
-        factor = (options.device_iterations *
-                  options.Training.gradient_accumulation)
+        layout = BatchLayout.from_options(options)
         settings = _Settings(0, options.Distributed.processId,
                              options.Distributed.numProcesses,
                              options.random_seed)
     except AttributeError as error:
         raise Error("DataLoader: options must be a poptorch.Options, got "
                     f"{type(options).__name__} ({error})") from None
-    if replicas % group_size != 0:
-        raise Error(f"DataLoader: options.replication_factor ({replicas}) "
-                    "must be a multiple of the input group size "
-                    f"({group_size})")
-    return settings._replace(micro_batches_per_call=factor *
-                             (replicas // group_size))
+    if layout.replicas % layout.input_group_size != 0:
+        raise Error(f"DataLoader: options.replication_factor "
+                    f"({layout.replicas}) must be a multiple of the input "
+                    f"group size ({layout.input_group_size})")
+    return settings._replace(micro_batches_per_call=layout.micro_batches)
 
 
 def _check_flags(shuffle: Any, drop_last: Any,

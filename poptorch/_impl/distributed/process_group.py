@@ -90,7 +90,7 @@ def join(environment: ProcessEnvironment,
                 "options.Distributed settings for every model of a process.")
         return group
     if dist.is_initialized():
-        _check_existing_group(environment, device)
+        check_existing_group(environment, device)
     else:
         _initialise(environment, device)
     group = ProcessGroup(environment, device)
@@ -113,7 +113,7 @@ def _hosts_store(rank: int) -> bool:
     return rank == 0 and agent not in ("1", "true")
 
 
-def _check_existing_group(environment: ProcessEnvironment,
+def check_existing_group(environment: ProcessEnvironment,
                           device: torch.device) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     if (rank, size) != (environment.process_id, environment.num_processes):

@@ -263,11 +263,23 @@ def _saved_state(optimizer: torch.optim.Optimizer) -> Optional[Dict]:
 
 # --- the link between an optimizer and its training model ---------------------
 
-def link(optimizer: torch.optim.Optimizer, model: Any) -> None:
-    """Make ``optimizer``'s state dict read and write ``model``'s state:
-    through ``save_state_dict`` / ``load_state_dict`` for poptorch.optim
-    optimizers, through torch's state dict hooks for torch.optim ones."""
-    optimizer.__dict__[_MODEL] = weakref.ref(model)
+class ModelLink:
+    """What a training model shows the optimizer it uses: the model itself
+    (``setOptimizer`` when a state dict is loaded) and, while it is
+    compiled, its optimizer device state. The model holds its link; the
+    optimizer only refers to it weakly."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.device_state: Optional[OptimizerDeviceState] = None
+
+
+def link(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
+    """Make ``optimizer``'s state dict read and write the linked model's
+    state: through ``save_state_dict`` / ``load_state_dict`` for
+    poptorch.optim optimizers, through torch's state dict hooks for
+    torch.optim ones."""
+    optimizer.__dict__[_MODEL] = weakref.ref(model_link)
     if (type(optimizer).state_dict is torch.optim.Optimizer.state_dict
             and not optimizer.__dict__.get(_HOOKED)):
         optimizer.register_state_dict_pre_hook(_device_state_to_host)
@@ -279,7 +291,7 @@ def link(optimizer: torch.optim.Optimizer, model: Any) -> None:
 def _device_state_to_host(optimizer: torch.optim.Optimizer) -> None:
     """Before a torch.optim optimizer's ``state_dict()``: the state of the
     compiled training model using it, into ``optimizer.state``."""
-    device = _compiled_state(linked_model(optimizer))
+    device = _compiled_state(optimizer)
     if device is not None:
         device.store_on_optimizer(optimizer)
 
@@ -297,29 +309,36 @@ def _host_state_to_device(optimizer: torch.optim.Optimizer) -> None:
     model's state from the next call (a model compiled later reads it when
     it compiles)."""
     _keep_loaded_dtypes(optimizer, optimizer.__dict__.pop(_LOADING))
-    device = _compiled_state(linked_model(optimizer))
+    device = _compiled_state(optimizer)
     if device is not None:
         states = [optimizer.state.get(p, {}) for p in device.host_params]
         device.replace(device.build(states, [None] * len(states),
                                     device.loaded_scale_state({})))
 
 
-def unlink(optimizer: torch.optim.Optimizer, model: Any) -> None:
-    """Undo ``link`` if ``optimizer`` is linked to ``model``."""
-    if linked_model(optimizer) is model:
+def unlink(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
+    """Undo ``link`` if ``optimizer`` is linked to ``model_link``."""
+    if _linked(optimizer) is model_link:
         del optimizer.__dict__[_MODEL]
 
 
-def linked_model(optimizer: torch.optim.Optimizer) -> Any:
-    """The training model using ``optimizer``, or None."""
+def _linked(optimizer: torch.optim.Optimizer) -> Optional[ModelLink]:
     reference = optimizer.__dict__.get(_MODEL)
     return reference() if reference is not None else None
 
 
-def _compiled_state(model: Any) -> Optional[OptimizerDeviceState]:
-    if model is None or not model.isCompiled():
-        return None
-    return model._optimizer_state
+def linked_model(optimizer: torch.optim.Optimizer) -> Any:
+    """The training model using ``optimizer``, or None."""
+    model_link = _linked(optimizer)
+    return model_link.model if model_link is not None else None
+
+
+def _compiled_state(optimizer: torch.optim.Optimizer
+                    ) -> Optional[OptimizerDeviceState]:
+    """The device state of the compiled training model using
+    ``optimizer``, or None."""
+    model_link = _linked(optimizer)
+    return model_link.device_state if model_link is not None else None
 
 
 def save_state_dict(optimizer: torch.optim.Optimizer,
@@ -327,7 +346,7 @@ def save_state_dict(optimizer: torch.optim.Optimizer,
     """``optimizer.state_dict()``: torch's dictionary with the device state
     (when a compiled training model uses the optimizer) and the
     ``"poptorch"`` entry."""
-    device = _compiled_state(linked_model(optimizer))
+    device = _compiled_state(optimizer)
     if device is not None:
         extras = device.store_on_optimizer(optimizer)
     else:
@@ -356,7 +375,7 @@ def load_state_dict(optimizer: torch.optim.Optimizer,
         return
     _check_state_dict(optimizer, state_dict)
     torch_part = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
-    device = _compiled_state(model)
+    device = _compiled_state(optimizer)
     flat = None
     if device is not None:
         indices = _position_indices(optimizer, device.host_params)

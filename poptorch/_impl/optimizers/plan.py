@@ -28,7 +28,7 @@ import torch
 
 from ... import optim
 from ...errors import Error
-from ..logger import warn_once
+from ..logger import logger, warn_once
 from . import adam, lamb, rmsprop, sgd
 from .poptorch_optimizer import PoptorchOptimizer
 from .rule import UpdateRule, accum_type_of
@@ -246,3 +246,66 @@ def unexpected_attributes(optimizer: torch.optim.Optimizer) -> List[str]:
     known = _known_group_keys(supported_base(type(optimizer))) | SCHEDULER_KEYS
     return sorted({key for group in optimizer.param_groups for key in group
                    if key not in known})
+
+
+def _families(plan: OptimizerPlan) -> str:
+    """The optimizer families of a plan's groups (SGD, Adam, RMSprop,
+    LAMB)."""
+    return ", ".join(sorted({type(group.rule).__name__.replace("Rule", "")
+                             for group in plan.groups}))
+
+
+def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
+    """``setOptimizer``: raise unless ``new`` differs from ``old`` in
+    variable values only."""
+    old_families, new_families = _families(old), _families(new)
+    if old_families != new_families:
+        raise Error(f"setOptimizer: the optimizer family changed after the "
+                    f"model was compiled ({old_families} at compilation, "
+                    f"now {new_families}); call destroy() and compile again "
+                    "to use another type of optimizer.")
+    old_groups = [group.indices for group in old.groups]
+    new_groups = [group.indices for group in new.groups]
+    if old_groups != new_groups:
+        raise Error(f"setOptimizer: the parameter groups changed after the "
+                    f"model was compiled (parameter indices per group "
+                    f"{old_groups} at compilation, now {new_groups}); use "
+                    f"an optimizer with the same param groups, or call "
+                    f"destroy() and compile again.")
+    changed = sorted(name for name in set(old.constant_attrs) |
+                     set(new.constant_attrs)
+                     if old.constant_attrs.get(name) !=
+                     new.constant_attrs.get(name))
+    changed += [name for name in ("loss_scaling", "max_grad_norm")
+                if name not in old.variable_globals | new.variable_globals
+                and getattr(old, name) != getattr(new, name)]
+    if changed:
+        detail = f"the compile-time constant(s) {', '.join(changed)}"
+    elif old.variable_globals != new.variable_globals:
+        detail = ("which of loss_scaling / max_grad_norm are variable "
+                  f"({sorted(old.variable_globals)} at compilation, now "
+                  f"{sorted(new.variable_globals)})")
+    elif old.structure() != new.structure():
+        detail = "the optimizer type or its parameter groups"
+    else:
+        return
+    raise Error(f"setOptimizer: {detail} changed after the model was "
+                "compiled. Only variable attributes (such as lr) can change "
+                "after compilation; call destroy() and compile again to "
+                "change the others.")
+
+
+def report_unexpected_attributes(optimizer: torch.optim.Optimizer,
+                                 relax: bool) -> None:
+    """``setOptimizer``: warn once of param-group attributes the optimizer
+    does not use (logged at DEBUG when ``relax``)."""
+    unexpected = unexpected_attributes(optimizer)
+    if not unexpected:
+        return
+    message = (f"Ignoring unexpected attribute(s) in the param groups of "
+               f"{type(optimizer).__name__} given to setOptimizer: "
+               f"{', '.join(unexpected)}")
+    if relax:
+        logger.debug(message)
+    else:
+        warn_once(message)

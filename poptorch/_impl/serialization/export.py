@@ -98,8 +98,18 @@ def _tensor_list(names: List[str], tensors: List[torch.Tensor]) -> List:
             for name, t in zip(names, tensors)]
 
 
-def _optimizer_structure(executor) -> Optional[str]:
-    plan = executor._plan
+@dataclasses.dataclass
+class WrappedModel:
+    """What a wrapped model is besides its compiled state: the module, its
+    optimizer and optimizer plan (training models) and the options."""
+    module: torch.nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    plan: Any
+    options: Any
+    training: bool
+
+
+def _optimizer_structure(plan) -> Optional[str]:
     if plan is None:
         return None
     return repr((plan.structure(), sorted(plan.constant_attrs.items(),
@@ -115,11 +125,13 @@ def check_destination(filename: str, method: str) -> None:
                     f"{os.path.join(filename, 'model.poptorch')!r}")
 
 
-def write(filename: str, executor, export_model: bool,
+def write(filename: str, wrapped: WrappedModel, compiled, export_model: bool,
           save_rng_state: bool) -> None:
-    """Write the compiled ``executor`` to ``filename``."""
-    session = executor._session
-    state = executor._state
+    """Write the ``compiled`` model (``CompiledModel``) of ``wrapped`` to
+    ``filename``; with ``export_model``, the host copy of the weights must
+    be up to date."""
+    session = compiled.session
+    state = compiled.state
     members: Dict[str, bytes] = {}
     tensors: Dict[str, torch.Tensor] = {}
     steps = {}
@@ -143,33 +155,32 @@ def write(filename: str, executor, export_model: bool,
                        "graph": f"graphs/{name}.json",
                        "executable": executable}
     if save_rng_state:
-        tensors["rng_state"] = executor._rng.state.cpu()
-    if export_model and executor._training:
+        tensors["rng_state"] = compiled.rng.state.cpu()
+    if export_model and wrapped.training:
         for index, tensor in enumerate(state.optimizer):
             tensors[f"optimizer_state/{index}"] = tensor.detach().cpu()
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "poptorch_version": __version__, "torch_version": torch.__version__,
-        "training": executor._training,
+        "training": wrapped.training,
         "backend": session.backend.name,
         "device_type": session.device.type,
         "export_model": export_model,
         "options": session.options,
-        "signature": _signature_document(executor._signature),
+        "signature": _signature_document(compiled.signature),
         "params": _tensor_list(state.param_names, state.params),
         "buffers": _tensor_list(state.buffer_names, state.buffers[0]),
-        "optimizer": _optimizer_structure(executor),
+        "optimizer": _optimizer_structure(wrapped.plan),
         "optimizer_state_size": (len(state.optimizer)
-                                 if export_model and executor._training
+                                 if export_model and wrapped.training
                                  else None),
-        "rng_seed": executor._rng.seed if save_rng_state else None,
+        "rng_seed": compiled.rng.seed if save_rng_state else None,
         "steps": steps,
     }
     members[_MANIFEST] = json.dumps(manifest, indent=1).encode()
     members[_TENSORS] = _saved_tensors(tensors)
     if export_model:
-        executor.copyWeightsToHostIfNeeded()
-        members[_MODEL] = _saved_model(executor)
+        members[_MODEL] = _saved_model(wrapped)
     _write_zip(filename, members)
 
 
@@ -179,13 +190,13 @@ def _saved_tensors(tensors: Dict[str, torch.Tensor]) -> bytes:
     return buffer.getvalue()
 
 
-def _saved_model(executor) -> bytes:
+def _saved_model(wrapped: WrappedModel) -> bytes:
     from .. import weight_sync
     buffer = io.BytesIO()
     with weight_sync.host_reads_suspended():
-        torch.save({"module": executor._module,
-                    "optimizer": executor._optimizer,
-                    "options": executor._options.clone()}, buffer)
+        torch.save({"module": wrapped.module,
+                    "optimizer": wrapped.optimizer,
+                    "options": wrapped.options.clone()}, buffer)
     return buffer.getvalue()
 
 
@@ -234,21 +245,21 @@ class ExportedFile:
         args, kwargs = rebuild_call(spec, leaves)
         return CallArguments(forward, args, kwargs)
 
-    def check_matches(self, executor) -> None:
+    def check_matches(self, wrapped: WrappedModel) -> None:
         """Raise ``poptorch.Error`` naming what differs between the file
-        and the model wrapped by ``executor``."""
+        and the ``wrapped`` model."""
         from ..backends.selection import ENVIRONMENT_VARIABLE, select_backend
         from ..devices import select_device
         manifest = self.manifest
-        options = executor._options
+        options = wrapped.options
         device_type = select_device(options.use_ipu_model).type
         backend_name = select_backend(options.backend,
                                       torch.device(device_type),
                                       ENVIRONMENT_VARIABLE).name
-        if manifest["training"] != executor._training:
+        if manifest["training"] != wrapped.training:
             kinds = {True: "a training", False: "an inference"}
             raise self._error(f"it holds {kinds[manifest['training']]} "
-                              f"model, not {kinds[executor._training]} "
+                              f"model, not {kinds[wrapped.training]} "
                               "model")
         if manifest["device_type"] != device_type:
             raise self._error(
@@ -261,17 +272,15 @@ class ExportedFile:
                 f"and the model's options select {backend_name!r} "
                 "(setBackend or POPTORCH_BACKEND)")
         _check_same_options(self, manifest["options"],
-                            compile_session.compile_time_options(
-                                executor._options))
-        self._check_state(executor)
-        if manifest["optimizer"] != _optimizer_structure(executor):
+                            compile_session.compile_time_options(options))
+        self._check_state(wrapped.module)
+        if manifest["optimizer"] != _optimizer_structure(wrapped.plan):
             raise self._error(
                 "the optimizer differs from the exported one (its type, "
                 "param groups or compile-time attributes)")
 
-    def _check_state(self, executor) -> None:
+    def _check_state(self, module: torch.nn.Module) -> None:
         from .. import weight_sync
-        module = executor._module
         with weight_sync.host_reads_suspended():
             params = [[name, list(t.shape), _dtype_name(t.dtype)]
                       for name, t in module.named_parameters()]
@@ -285,19 +294,19 @@ class ExportedFile:
                 detail = _first_difference(stored, current)
                 raise self._error(f"the model's {kind} differ: {detail}")
 
-    def restore_state(self, executor, with_optimizer: bool) -> None:
+    def restore_state(self, compiled, with_optimizer: bool) -> None:
         """Put the exported random generator (and optimizer) state into
-        the freshly compiled ``executor``."""
+        the freshly ``compiled`` model (``CompiledModel``)."""
         if self.manifest.get("rng_seed") is not None:
-            executor._rng.seed = self.manifest["rng_seed"]
-            executor._rng.state = self.tensors["rng_state"].clone()
+            compiled.rng.seed = self.manifest["rng_seed"]
+            compiled.rng.state = self.tensors["rng_state"].clone()
         if with_optimizer and self.manifest.get("optimizer_state_size"):
-            current = executor._state.optimizer
+            current = compiled.state.optimizer
             if len(current) != self.manifest["optimizer_state_size"]:
                 raise self._error(
                     f"it holds {self.manifest['optimizer_state_size']} "
                     f"optimizer state tensors; the model has {len(current)}")
-            executor._state.optimizer = [
+            compiled.state.optimizer = [
                 self.tensors[f"optimizer_state/{index}"].to(
                     device=tensor.device, dtype=tensor.dtype)
                 for index, tensor in enumerate(current)]

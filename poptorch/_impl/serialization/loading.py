@@ -17,6 +17,7 @@ def load(filename: str,
     holds a pickled model and compiled code: load only files you trust, as
     with ``torch.load``.
     """
+    from ..compiled_methods import load_exported
     from ..executor import PoplarExecutor
     exported = export.read(str(filename), trusted=True)
     contents = exported.model()
@@ -27,5 +28,5 @@ def load(filename: str,
                               poptorch_version=__version__,
                               optimizer=contents["optimizer"],
                               user_model=module)
-    executor._load_exported(exported, with_optimizer=True)
+    load_exported(executor, exported, with_optimizer=True)
     return executor
