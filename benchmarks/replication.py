@@ -29,7 +29,7 @@ import time
 import torch
 
 import poptorch
-from poptorch._impl import replication
+from poptorch._impl.replication import replicas as replica_execution
 
 
 class MLP(torch.nn.Module):
@@ -95,14 +95,14 @@ def poptorch_step(model, x, y, replicas: int, sequential: bool = False):
     opts = poptorch.Options().replicationFactor(replicas)
     opts.broadcastBuffers(False).showCompilationProgressBar(False)
     training = poptorch.trainingModel(model, opts, _optimizer(model))
-    choose = replication._path_for
+    choose = replica_execution._path_for
     if sequential:
-        replication._path_for = lambda *args: (replication.SEQUENTIAL,
-                                               "benchmark")
+        replica_execution._path_for = lambda *args: (
+            replica_execution.SEQUENTIAL, "benchmark")
     try:
         training.compile(x, y)
     finally:
-        replication._path_for = choose
+        replica_execution._path_for = choose
     return lambda: training(x, y)
 
 

@@ -20,7 +20,7 @@ from ._impl.executor import PoplarExecutor
 from ._impl.logger import setLogLevel
 from ._impl.losses import identity_loss
 from ._impl.model_wrapping import inferenceModel, trainingModel
-from ._impl.serialization.loading import load
+from ._impl.loading import load
 from . import autocasting, optim, profiling
 from .autocasting import autocast
 from ._impl.blocks import BeginBlock, Block, BlockFunction, NameScope, removeBlocks
@@ -29,7 +29,8 @@ from ._impl.ops import (CPU, MultiConv, cond, ctc_beam_search_decoder,
                         ipu_print_tensor, nop, recomputationCheckpoint,
                         serializedMatMul, set_available_memory,
                         set_overlap_for_input, set_overlap_for_output)
-from ._impl.strategies import (ParallelPhasedExecution, Phase,
-                               PipelinedExecution, SerialPhasedExecution,
-                               ShardedExecution, Stage)
+from ._impl.staging.strategies import (ParallelPhasedExecution, Phase,
+                                       PipelinedExecution,
+                                       SerialPhasedExecution, ShardedExecution,
+                                       Stage)
 from ._impl.data import AsynchronousDataAccessor, DataLoader

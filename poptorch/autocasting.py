@@ -21,8 +21,8 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from ._impl import automatic_casting
-from ._impl.automatic_casting import Policy
+from ._impl.precision import automatic_casting
+from ._impl.precision.automatic_casting import Policy
 
 __all__ = ["autocast", "Policy", "default"]
 

@@ -26,9 +26,10 @@ from .enums import (CommGroupType, ConnectionType, HalfFloatCastingBehavior,
                     MeanReductionStrategy, OutputMode, ReductionType,
                     SyncPattern)
 from .errors import Error
-from ._impl import config_file, strategies
-from ._impl.automatic_casting import DEFAULT_POLICY, Policy
-from ._impl.config_file import ConfigFileError
+from ._impl.options import config_file
+from ._impl.staging import strategies
+from ._impl.precision.automatic_casting import DEFAULT_POLICY, Policy
+from ._impl.options.config_file import ConfigFileError
 from ._impl.logger import info_once
 
 __all__ = ["Options", "TensorLocationSettings", "ConfigFileError",

@@ -18,8 +18,7 @@ import torch
 import poptorch
 from poptorch._impl.backends import backend as backend_module
 from poptorch._impl.backends import vector_isa
-from poptorch._impl.serialization.graph_format import (deserialize_graph,
-                                                       serialize_graph)
+from poptorch._impl.graph_format import deserialize_graph, serialize_graph
 from conftest import BatchNormNet, make_images, options
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -9,7 +9,7 @@ import torch
 
 import poptorch
 from poptorch._impl.executor import compiled_model
-from poptorch._impl import replica_batch_norm
+from poptorch._impl.replication import batch_norm as replica_batch_norm
 from conftest import (BatchNormNet, ClassifierMLP, assert_same_weights,
                       make_data, make_images, options, reference_training)
 
@@ -218,7 +218,8 @@ def test_replica_batch_norm_statistics_have_the_kernels_dtype(
     float16; its GPU kernel (any other device here) in float32."""
     x = torch.empty(2, 4, 3, 5, 5, dtype=dtype, device=device)
     weight = torch.empty(3, dtype=dtype, device=device)
-    assert replica_batch_norm.statistics_storage(x, weight, None).dtype == expected
+    assert replica_batch_norm.statistics_storage(x, weight, None).dtype == \
+        expected
 
 
 class _Doubler(torch.autograd.Function):

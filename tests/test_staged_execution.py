@@ -12,9 +12,9 @@ import torch
 
 import poptorch
 from poptorch._impl.executor import compiled_model
-from poptorch._impl import staged_execution
-from poptorch._impl.pipeline import PipelineSchedule
-from poptorch._impl.sequential_stages import SequentialSchedule
+from poptorch._impl.staging import staged_execution
+from poptorch._impl.staging.pipeline import PipelineSchedule
+from poptorch._impl.staging.sequential_stages import SequentialSchedule
 from conftest import assert_same_weights, make_data, options
 
 ITERATIONS, ACCUMULATION, BATCH = 2, 7, 4   # G >= 2K - 1 for K = 4 stages

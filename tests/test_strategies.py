@@ -8,11 +8,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from poptorch._impl import blocks
 from poptorch._impl.blocks import Block, BlockRecord
-from poptorch._impl.strategies import (BlockPlacement, ExecutionStrategy,
-                                       ParallelPhasedExecution, Phase,
-                                       PipelinedExecution,
-                                       SerialPhasedExecution,
-                                       ShardedExecution, Stage)
+from poptorch._impl.staging.strategies import (BlockPlacement,
+                                               ExecutionStrategy,
+                                               ParallelPhasedExecution, Phase,
+                                               PipelinedExecution,
+                                               SerialPhasedExecution,
+                                               ShardedExecution, Stage)
 from poptorch.enums import AutoStage, Liveness
 from poptorch.errors import Error
 

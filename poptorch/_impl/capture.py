@@ -33,8 +33,8 @@ from ..errors import Error
 from . import blocks, losses, recomputation, tracing_context
 from .compile_errors import capture_refusal, locate
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
-from .automatic_casting import AutomaticCasting, Policy
-from .half_casting import MixedPrecisionCasting
+from .precision.automatic_casting import AutomaticCasting, Policy
+from .precision.half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .recurrent_layers import RecurrentLayersWithoutOneDnn
 from .signature import flattenable

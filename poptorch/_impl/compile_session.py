@@ -22,7 +22,7 @@ from .backends.selection import ENVIRONMENT_VARIABLE, select_backend
 from .devices import select_device
 from .executable_cache import ExecutableCache, compile_cached, executable_key
 from .names import Anchors
-from .serialization.graph_format import serialize_graph
+from .graph_format import serialize_graph
 
 #: Options left out of the executable key: those that do not change the
 #: compiled executable (they may differ between compilation and

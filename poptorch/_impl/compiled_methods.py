@@ -13,7 +13,7 @@ import torch
 from ..errors import Error
 from .names import tensor_names
 from .perf_counters import require_timer
-from .serialization import export
+from . import export
 from .signature import CallArguments
 
 

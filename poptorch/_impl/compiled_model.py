@@ -22,9 +22,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
-from . import (capture, distributed, failed_calls, model_parallel,
-               replica_grouping, replication, weight_sync)
-from .automatic_casting import Policy
+from . import capture, distributed, failed_calls, weight_sync
+from .staging import model_parallel
+from .replication import grouping
+from .replication.replicas import (ReplicaExecution, buffer_sets,
+                                   check_buffers_unwritten, check_layout)
+from .precision.automatic_casting import Policy
 from .backends.cuda_graphs import CudaGraphCall, cuda_graph_reason
 from .batching import BatchLayout
 from .capture import TensorLeaf
@@ -33,10 +36,10 @@ from .device_state import DeviceState
 from .engines import (CompileInputs, Engine, SingleGraphEngine,
                       StagedEngine, TrainingSetup)
 from .floating_point_checks import StepFlags
-from .half_casting import target_dtype
+from .precision.half_casting import target_dtype
 from .lightning_logging import model_call_class
 from .logger import info_once
-from .optimizers.device_state import OptimizerDeviceState
+from .optimizers.optimizer_state import OptimizerDeviceState
 from .optimizers.plan import OptimizerPlan
 from .optimizers.state_location import OptimizerStateLocation
 from .outputs import (OutputCollector, as_training_outputs,
@@ -80,7 +83,7 @@ class CompiledModel:
     def __init__(self, spec: ModelSpec, session, state: DeviceState,
                  layout: BatchLayout, analysis: capture.ModelAnalysis,
                  model_call: capture.ModelCall, engine: Engine,
-                 grouped: replica_grouping.GroupedWeights,
+                 grouped: grouping.GroupedWeights,
                  training: Optional[CompiledTraining],
                  signature: InputSignature) -> None:
         self.spec = spec
@@ -109,17 +112,17 @@ class CompiledModel:
         layout = spec.batch_layout()
         for position in call.tensor_positions():
             layout.check(call.paths[position], call.leaves[position])
-        replication.check_layout(layout)
+        check_layout(layout)
         check_return_period(
             resolve_output_mode(spec.options.output_mode, spec.training),
             spec.options.output_return_period,
             layout.device_iterations * layout.gradient_accumulation)
         module, device = spec.module, session.device
         with weight_sync.host_reads_suspended():
-            buffer_sets = replication.buffer_sets(
-                spec.options, spec.training, module, spec.training_flags)
-            state = DeviceState(module, device, buffer_sets)
-            grouped = replica_grouping.collect(module, state.param_names,
+            sets = buffer_sets(spec.options, spec.training, module,
+                               spec.training_flags)
+            state = DeviceState(module, device, sets)
+            grouped = grouping.collect(module, state.param_names,
                                                layout.replicas)
         grouped.check_rows(state.params)
         model_call = model_call_class(module)(
@@ -132,9 +135,8 @@ class CompiledModel:
         analysis = capture.analyse(
             model_call, grouped.replica_params(state.params),
             state.buffers[0], micro, spec.training, spec.training_flags)
-        replicas = replication.ReplicaExecution.choose(
-            layout, analysis, spec.training, grouped,
-            buffer_sets == layout.replicas)
+        replicas = ReplicaExecution.choose(
+            layout, analysis, spec.training, grouped, sets == layout.replicas)
         compile_inputs = CompileInputs(model_call, analysis, state, micro,
                                        inputs, layout, replicas, session,
                                        spec.training_flags)
@@ -148,7 +150,7 @@ class CompiledModel:
                                          trainable)
         else:
             engine.compile_inference(compile_inputs)
-        replica_grouping.mark_compiled(module, True)
+        grouping.mark_compiled(module, True)
         return CompiledModel(spec, session, state, layout, analysis,
                              model_call, engine, grouped, training,
                              InputSignature(call))
@@ -382,7 +384,7 @@ def _compile_training(spec: ModelSpec, inputs: CompileInputs,
     data_parallel = options.Distributed.numProcesses
     if stage_per_process:
         data_parallel //= engine.stage_count
-    replication.check_buffers_unwritten(
+    check_buffers_unwritten(
         spec.module, spec.training_flags, state.buffer_names,
         inputs.analysis.written_buffers,
         options.broadcast_buffers and layout.replicas * data_parallel > 1)

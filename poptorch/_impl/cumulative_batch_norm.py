@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from .replica_batch_norm import batch_norm_arguments
+from .replication.batch_norm import batch_norm_arguments
 
 
 class CumulativeMomentum(float):

@@ -42,7 +42,7 @@ from .._version import __version__
 from .backends.backend import Backend, CompiledStep
 from .backends.in_place import Donation
 from .logger import logger
-from .serialization.graph_format import graph_fingerprint, tensor_metadata
+from .graph_format import graph_fingerprint, tensor_metadata
 
 _MAGIC = "poptorch-executable-cache"
 _FORMAT_VERSION = 1

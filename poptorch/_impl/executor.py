@@ -15,7 +15,8 @@ import torch
 from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
-from . import compile_hooks, failed_calls, replica_grouping, weight_sync
+from . import compile_hooks, failed_calls, weight_sync
+from .replication import grouping
 from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
 from .compiled_model import CompiledModel, ModelSpec
@@ -23,7 +24,7 @@ from .device_state import updatable_buffers
 from .devices import select_device
 from .lightning_logging import logged_output
 from .logger import logger
-from .optimizers import device_state as optimizer_state_dict
+from .optimizers import optimizer_state
 from .optimizers.global_attributes import GlobalAttributes
 from .optimizers.plan import (OptimizerPlan, check_same_structure,
                               plan_optimizer, report_unexpected_attributes)
@@ -59,9 +60,9 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._plan: Optional[OptimizerPlan] = (
             plan_optimizer(optimizer, _host_params(module))
             if training else None)
-        self._link = optimizer_state_dict.ModelLink(self)
+        self._link = optimizer_state.ModelLink(self)
         if training:
-            optimizer_state_dict.link(optimizer, self._link)
+            optimizer_state.link(optimizer, self._link)
         self._sync = weight_sync.attach(module)
         self._sync.register(self, training, type(module).__name__)
         self._registered = True
@@ -317,8 +318,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._compiled is not None:
             check_same_structure(self._plan, plan)
             self._compiled.use_optimizer(self._plan, plan)
-        optimizer_state_dict.unlink(self._optimizer, self._link)
-        optimizer_state_dict.link(optimizer, self._link)
+        optimizer_state.unlink(self._optimizer, self._link)
+        optimizer_state.link(optimizer, self._link)
         self._optimizer = optimizer
         self._plan = plan
 
@@ -371,7 +372,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             if self._training:
                 self._compiled.training.optimizer_state.keep_on_optimizer(
                     self._optimizer)
-            replica_grouping.mark_compiled(self._module, False)
+            grouping.mark_compiled(self._module, False)
         if self._registered:
             self._sync.unregister(self)
             weight_sync.detach(self._module)

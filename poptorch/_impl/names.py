@@ -69,7 +69,7 @@ from .optimizers.rmsprop import RMSpropRule
 from .optimizers.rule import UpdateRule
 from .optimizers.sgd import SGDRule
 from .outputs import OutputCollector, check_return_period, resolve_output_mode
-from .serialization.graph_format import is_tensor_node
+from .graph_format import is_tensor_node
 
 MODULE_KEY = "poptorch_module"
 #: ``graph.meta`` key of a step's parameter, gradient and optimizer-state

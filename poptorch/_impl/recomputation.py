@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import automatic_casting
+from .precision import automatic_casting
 
 _GENERATOR = "_checkpoint_without_reentrant_generator"
 

@@ -30,7 +30,7 @@ from ..device_state import DeviceState
 from ..failed_calls import CallProgress
 from ..floating_point_checks import StepFlags
 from ..outputs import OutputCollector
-from ..replication import ReplicaExecution
+from ..replication.replicas import ReplicaExecution
 from ..training_step import StepSettings, TrainingLayout
 
 

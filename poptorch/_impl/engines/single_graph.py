@@ -1,7 +1,7 @@
 """The single-graph engine: the whole model as one captured step per
 micro-batch (``training_step.py``, ``capture.trace_inference_step``), run
 by the device loop over a call's micro-batches (``device_loop.py``), the
-replicas vectorised or one after another (``replication.py``).
+replicas vectorised or one after another (``replication/replicas.py``).
 
 A training model has an update step (the last micro-batch of an optimizer
 step, with the optimizer update) and, when an optimizer step has several
@@ -17,7 +17,8 @@ from typing import List, Optional
 import torch
 
 from ...errors import Error
-from .. import device_loop, replication
+from .. import device_loop
+from ..replication.replicas import VECTORISED, ReplicaExecution
 from ..batching import BatchLayout
 from ..device_loop import TrainingState
 from ..failed_calls import CallProgress
@@ -31,7 +32,7 @@ from .engine import CompileInputs, Engine, TrainingSetup
 class SingleGraphEngine(Engine):
     """One captured step per micro-batch, looped over on the device."""
 
-    def __init__(self, replicas: replication.ReplicaExecution,
+    def __init__(self, replicas: ReplicaExecution,
                  overwrites: bool) -> None:
         self.replicas = replicas
         self.overwrites_training_state = overwrites
@@ -66,7 +67,7 @@ class SingleGraphEngine(Engine):
         try:
             update = self._trace(inputs, setup, settings, update=True)
         except Error as error:
-            if self.replicas.path != replication.VECTORISED:
+            if self.replicas.path != VECTORISED:
                 raise
             self.replicas.fall_back(error)
             settings = setup.settings_for(self.replicas.step_replicas)

@@ -12,15 +12,16 @@ from typing import List, Optional
 
 import torch
 
-from .. import distributed, stages
+from .. import distributed
+from ..staging import stages
 from ..batching import BatchLayout
 from ..device_loop import TrainingState
 from ..failed_calls import CallProgress
 from ..floating_point_checks import StepFlags
 from ..logger import info_once
 from ..outputs import OutputCollector
-from ..staged_execution import (StagedExecution, check_recomputation,
-                                check_supported)
+from ..staging.staged_execution import (StagedExecution, check_recomputation,
+                                        check_supported)
 from ..training_step import TrainingLayout
 from .engine import CompileInputs, Engine, TrainingSetup
 

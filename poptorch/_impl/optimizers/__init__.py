@@ -13,7 +13,7 @@
   (``accum_type``) and the mean reduction strategies;
 * ``global_attributes.py``: loss scaling and clipping in the step, constant
   or runtime inputs; ``loss_scaling.py``: automatic loss scaling;
-* ``device_state.py``: a training model's optimizer state and the
+* ``optimizer_state.py``: a training model's optimizer state and the
   optimizer's ``state_dict()`` / ``load_state_dict()`` reading and writing
   it; ``state_location.py``: optimizer state in host memory between calls.
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ...errors import Error
-from . import device_state
+from . import optimizer_state
 from .rule import UpdateRule, clip_grad_norm
 
 #: dtypes accepted for the accumulation-type attributes (None: float32).
@@ -201,8 +201,8 @@ class PoptorchOptimizer:
     def state_dict(self) -> Dict[str, Any]:
         """torch's state dict plus the ``"poptorch"`` entry. When a training
         model uses the optimizer, the state is read from the device (and
-        copied into ``self.state``); see ``device_state.py`` for the keys."""
-        return device_state.save_state_dict(self, super().state_dict)
+        copied into ``self.state``); see ``optimizer_state.py`` for the keys."""
+        return optimizer_state.save_state_dict(self, super().state_dict)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from ``state_dict()``. When a training model
@@ -210,7 +210,7 @@ class PoptorchOptimizer:
         ``setOptimizer`` and its state is written to the device for the next
         call; a state dict without the ``"poptorch"`` entry (from
         torch.optim) or from another model raises ``poptorch.Error``."""
-        device_state.load_state_dict(self, state_dict, super().load_state_dict)
+        optimizer_state.load_state_dict(self, state_dict, super().load_state_dict)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

@@ -47,25 +47,25 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..enums import ReductionType
-from ..errors import Error
-from .backends import get_backend
-from .batching import BatchLayout, micro_batch
-from .device_loop import TrainingState
-from .distributed.pipeline_processes import PipelineProcesses
-from .failed_calls import CallProgress
-from .floating_point_checks import StepFlags
-from .logger import info_once
-from .optimizers.global_attributes import PartialGradients
-from .outputs import OutputCollector
+from ...enums import ReductionType
+from ...errors import Error
+from ..backends import get_backend
+from ..batching import BatchLayout, micro_batch
+from ..device_loop import TrainingState
+from ..distributed.pipeline_processes import PipelineProcesses
+from ..failed_calls import CallProgress
+from ..floating_point_checks import StepFlags
+from ..logger import info_once
+from ..optimizers.global_attributes import PartialGradients
+from ..outputs import OutputCollector
 from .pipeline import PipelineSchedule
-from .replica_grouping import GroupedWeights
+from ..replication.grouping import GroupedWeights
 from .sequential_stages import SequentialSchedule
 from .stages import (REPLICA_KEY, StagedGraph, StageModule, StageState,
                      input_name)
 from .strategies import PipelinedExecution
-from .training_step import (StepSettings, TrainingLayout, trace_update_step,
-                            update_donation)
+from ..training_step import (StepSettings, TrainingLayout, trace_update_step,
+                             update_donation)
 
 
 def _what(stages: int) -> str:

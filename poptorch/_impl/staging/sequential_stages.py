@@ -17,8 +17,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..enums import Liveness
-from .logger import info_once
+from ...enums import Liveness
+from ..logger import info_once
 from .stages import StageModule
 
 

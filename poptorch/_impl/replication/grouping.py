@@ -30,9 +30,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..enums import CommGroupType, ReductionType, VariableRetrievalMode
-from ..errors import Error
-from .optimizers.lamb import LAMBRule
+from ...enums import CommGroupType, ReductionType, VariableRetrievalMode
+from ...errors import Error
+from ..optimizers.lamb import LAMBRule
 
 _ATTRIBUTE = "_poptorch_replica_grouping"
 

@@ -28,12 +28,13 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
-from ..enums import ReductionType
-from . import blocks, losses, partition
-from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
-                      split_flat, tensor_outputs, trace_user_code)
-from .optimizers.gradient_reduction import GradientReduction
-from .replica_grouping import GroupedWeights
+from ...enums import ReductionType
+from .. import blocks, losses
+from . import partition
+from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
+                       split_flat, tensor_outputs, trace_user_code)
+from ..optimizers.gradient_reduction import GradientReduction
+from ..replication.grouping import GroupedWeights
 from .strategies import BlockPlacement
 
 @dataclasses.dataclass

@@ -22,10 +22,10 @@ the rules of the guide ("Multi-IPU execution strategies"):
 """
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-from ..enums import AutoStage, Liveness
-from ..errors import Error
-from .blocks import BEFORE_FIRST_BLOCK, BlockRecord
-from .logger import info_once
+from ...enums import AutoStage, Liveness
+from ...errors import Error
+from ..blocks import BEFORE_FIRST_BLOCK, BlockRecord
+from ..logger import info_once
 
 
 class BlockPlacement(NamedTuple):

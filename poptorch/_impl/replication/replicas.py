@@ -48,19 +48,19 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..enums import ReductionType, VariableRetrievalMode
-from ..errors import Error
-from .batching import BatchLayout
-from .capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
-                      split_flat, tensor_outputs, trace_inference_step,
-                      trace_user_code)
-from .logger import logger
-from .outputs import OutputCollector
-from .replica_attention import batched_attention
-from .replica_batch_norm import per_replica_statistics
-from .replica_grouping import GroupedWeights, ReplicaGrouping
-from .training_step import micro_batch_forward, trace_training_step
-from .weight_sync import host_reads_suspended
+from ...enums import ReductionType, VariableRetrievalMode
+from ...errors import Error
+from ..batching import BatchLayout
+from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
+                       split_flat, tensor_outputs, trace_inference_step,
+                       trace_user_code)
+from ..logger import logger
+from ..outputs import OutputCollector
+from .attention import batched_attention
+from .batch_norm import per_replica_statistics
+from .grouping import GroupedWeights, ReplicaGrouping
+from ..training_step import micro_batch_forward, trace_training_step
+from ..weight_sync import host_reads_suspended
 
 SINGLE = "single"
 VECTORISED = "vectorised"

@@ -40,8 +40,8 @@ from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Tuple
 
 import torch
 
-from .. import enums
-from ..errors import Error
+from ... import enums
+from ...errors import Error
 
 DEFAULT_OPTIONS_VARIABLE = "POPTORCH_DEFAULT_OPTIONS"
 

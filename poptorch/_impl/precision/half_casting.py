@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..enums import HalfFloatCastingBehavior
+from ...enums import HalfFloatCastingBehavior
 
 MIXED = frozenset({torch.float16, torch.float32})
 

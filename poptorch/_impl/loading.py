@@ -1,7 +1,7 @@
 """``poptorch.load`` (API reference 11.4)."""
 from typing import Callable, Optional
 
-from ..._version import __version__
+from .._version import __version__
 from . import export
 
 
@@ -17,8 +17,8 @@ def load(filename: str,
     holds a pickled model and compiled code: load only files you trust, as
     with ``torch.load``.
     """
-    from ..compiled_methods import load_exported
-    from ..executor import PoplarExecutor
+    from .compiled_methods import load_exported
+    from .executor import PoplarExecutor
     exported = export.read(str(filename), trusted=True)
     contents = exported.model()
     options = export.merge_load_options(contents["options"], edit_opts_fn,

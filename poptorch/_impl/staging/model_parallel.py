@@ -9,11 +9,11 @@ separate partitions (``staged_execution.py``).
 """
 from typing import Dict, NamedTuple, Optional, Sequence
 
-from ..enums import AutoStage, ConnectionType
-from ..errors import Error
-from .batching import BatchLayout
-from .blocks import BlockRecord
-from .logger import info_once
+from ...enums import AutoStage, ConnectionType
+from ...errors import Error
+from ..batching import BatchLayout
+from ..blocks import BlockRecord
+from ..logger import info_once
 from .strategies import BlockPlacement, PipelinedExecution
 
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ...errors import Error
+from ..errors import Error
 
 FORMAT_VERSION = 1
 

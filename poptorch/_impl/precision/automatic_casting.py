@@ -27,9 +27,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..errors import Error
+from ...errors import Error
 from .half_casting import LEFT_AS_THEY_ARE, MIXED, mixed_dtypes, writes
-from .logger import warn_once
+from ..logger import warn_once
 
 FP16, FP32, PROMOTE, DEMOTE = "fp16", "fp32", "promote", "demote"
 _SETS = (FP16, FP32, PROMOTE, DEMOTE)

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch.fx as fx
 
-from ..errors import Error
+from ...errors import Error
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 

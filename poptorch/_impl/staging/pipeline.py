@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                           ScheduleInterleaved1F1B)
 
-from .distributed import process_group
-from .distributed.pipeline_processes import PipelineProcesses
-from .logger import info_once
+from ..distributed import process_group
+from ..distributed.pipeline_processes import PipelineProcesses
+from ..logger import info_once
 from .stages import StageModule
 
 

@@ -44,11 +44,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from ..._version import __version__
-from ...errors import Error
-from .. import compile_session
-from ..signature import (CallArguments, InputSignature,
-                         TensorLeaf, rebuild_call)
+from .._version import __version__
+from ..errors import Error
+from . import compile_session
+from .signature import CallArguments, InputSignature, TensorLeaf, rebuild_call
 from .graph_format import GraphFormatError, serialize_graph
 
 FORMAT = "poptorch-executable"
@@ -191,7 +190,7 @@ def _saved_tensors(tensors: Dict[str, torch.Tensor]) -> bytes:
 
 
 def _saved_model(wrapped: WrappedModel) -> bytes:
-    from .. import weight_sync
+    from . import weight_sync
     buffer = io.BytesIO()
     with weight_sync.host_reads_suspended():
         torch.save({"module": wrapped.module,
@@ -248,8 +247,8 @@ class ExportedFile:
     def check_matches(self, wrapped: WrappedModel) -> None:
         """Raise ``poptorch.Error`` naming what differs between the file
         and the ``wrapped`` model."""
-        from ..backends.selection import ENVIRONMENT_VARIABLE, select_backend
-        from ..devices import select_device
+        from .backends.selection import ENVIRONMENT_VARIABLE, select_backend
+        from .devices import select_device
         manifest = self.manifest
         options = wrapped.options
         device_type = select_device(options.use_ipu_model).type
@@ -280,7 +279,7 @@ class ExportedFile:
                 "param groups or compile-time attributes)")
 
     def _check_state(self, module: torch.nn.Module) -> None:
-        from .. import weight_sync
+        from . import weight_sync
         with weight_sync.host_reads_suspended():
             params = [[name, list(t.shape), _dtype_name(t.dtype)]
                       for name, t in module.named_parameters()]
@@ -415,7 +414,7 @@ def merge_load_options(exported_options, edit_opts_fn, backend: str):
     """The options of ``poptorch.load``: the exported ones, with the runtime
     options that ``edit_opts_fn`` sets (the others keep the exported
     values, as the executable was compiled for them)."""
-    from ...enums import ConnectionType
+    from ..enums import ConnectionType
     options = exported_options.clone()
     options.connectionType(ConnectionType.Always)
     options._values["offline_ipu_version"] = None
