@@ -20,7 +20,14 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from .replication.batch_norm import batch_norm_arguments
+
+def batch_norm_arguments(input, running_mean, running_var, weight=None,
+                         bias=None, training=False, momentum=0.1,
+                         eps=1e-5) -> dict:
+    """The arguments of an ``F.batch_norm`` call, by name."""
+    return {"input": input, "running_mean": running_mean,
+            "running_var": running_var, "weight": weight, "bias": bias,
+            "training": training, "momentum": momentum, "eps": eps}
 
 
 class CumulativeMomentum(float):

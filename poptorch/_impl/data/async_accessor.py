@@ -379,9 +379,8 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
 
 def _check_poptorch_dataloader(dataset: Any,
                                rebatched_size: Optional[int]) -> None:
-    from .dataloader import DataLoader  # the two modules refer to each other
-    if not isinstance(dataset, DataLoader):
-        return
+    if not isinstance(getattr(dataset, "mode", None), DataLoaderMode):
+        return  # not a poptorch.DataLoader, which has a DataLoaderMode
     if dataset.mode != DataLoaderMode.Sync:
         raise Error("AsynchronousDataAccessor: the poptorch.DataLoader given "
                     "already loads asynchronously (mode=DataLoaderMode."

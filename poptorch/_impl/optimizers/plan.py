@@ -26,7 +26,6 @@ from typing import (Any, Callable, Dict, FrozenSet, Hashable, List, Mapping,
 
 import torch
 
-from ... import optim
 from ...errors import Error
 from ..logger import logger, warn_once
 from . import adam, lamb, rmsprop, sgd
@@ -35,18 +34,38 @@ from .rule import UpdateRule, accum_type_of
 
 RuleFactory = Callable[[Mapping[str, Any]], UpdateRule]
 
-#: Supported optimizer classes and the rule of one of their param groups.
-SUPPORTED: Dict[type, RuleFactory] = {
-    optim.SGD: sgd.rule_for_group,
-    optim.Adam: adam.rule_for_group,
-    optim.AdamW: adam.rule_for_group,
-    optim.RMSprop: rmsprop.rule_for_group,
-    optim.LAMB: lamb.rule_for_group,
+#: Supported torch.optim classes and the rule of one of their param groups;
+#: each poptorch.optim class names its own (``rule_for_group``).
+TORCH_SUPPORTED: Dict[type, RuleFactory] = {
     torch.optim.SGD: sgd.rule_for_group,
     torch.optim.Adam: adam.rule_for_group,
     torch.optim.AdamW: adam.rule_for_group,
     torch.optim.RMSprop: rmsprop.rule_for_group,
 }
+
+
+def _rule_factory(klass: type) -> Optional[RuleFactory]:
+    """The rule of one param group of optimizers of exactly ``klass``, None
+    when ``klass`` is not a supported class."""
+    if klass in TORCH_SUPPORTED:
+        return TORCH_SUPPORTED[klass]
+    if issubclass(klass, PoptorchOptimizer):
+        return klass.__dict__.get("rule_for_group")
+    return None
+
+
+def _supported_names() -> List[str]:
+    poptorch_classes = [klass for klass in _all_subclasses(PoptorchOptimizer)
+                        if "rule_for_group" in klass.__dict__]
+    return ([f"poptorch.optim.{klass.__name__}" for klass in poptorch_classes]
+            + [f"torch.optim.{klass.__name__}" for klass in TORCH_SUPPORTED])
+
+
+def _all_subclasses(klass: type) -> List[type]:
+    found = []
+    for sub in klass.__subclasses__():
+        found += [sub] + _all_subclasses(sub)
+    return found
 
 #: torch.optim constructor arguments that do not change the maths.
 MATHS_NEUTRAL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -107,7 +126,7 @@ def plan_optimizer(optimizer: torch.optim.Optimizer,
     if isinstance(optimizer, PoptorchOptimizer):
         optimizer.check_param_groups()
     positions = {id(param): index for index, param in enumerate(params)}
-    rule_for_group = SUPPORTED[base]
+    rule_for_group = _rule_factory(base)
     groups = []
     for group_index, group in enumerate(optimizer.param_groups):
         indices = _trainable_indices(group, group_index, positions)
@@ -130,11 +149,10 @@ def supported_base(optimizer_class: type) -> type:
     """The supported class ``optimizer_class`` is planned as (itself or its
     nearest supported base class)."""
     for klass in optimizer_class.__mro__:
-        if klass in SUPPORTED:
+        if _rule_factory(klass) is not None:
             break
     else:
-        names = ", ".join(f"{k.__module__.split('.')[0]}.optim.{k.__name__}"
-                          for k in SUPPORTED)
+        names = ", ".join(_supported_names())
         raise Error(f"Unsupported optimizer {optimizer_class.__module__}."
                     f"{optimizer_class.__qualname__}: the supported optimizers "
                     f"are {names}")

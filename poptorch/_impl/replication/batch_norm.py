@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..cumulative_batch_norm import batch_norm_arguments
+
 _Stats = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -219,15 +221,6 @@ class _RouteBatchNorm(TorchFunctionMode):
             if tensor is not None:
                 tensor.copy_(value)
         return out
-
-
-def batch_norm_arguments(input, running_mean, running_var, weight=None,
-                         bias=None, training=False, momentum=0.1,
-                         eps=1e-5) -> dict:
-    """The arguments of an ``F.batch_norm`` call, by name."""
-    return {"input": input, "running_mean": running_mean,
-            "running_var": running_var, "weight": weight, "bias": bias,
-            "training": training, "momentum": momentum, "eps": eps}
 
 
 @contextlib.contextmanager
