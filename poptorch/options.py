@@ -6,19 +6,20 @@ the object (or group) so that calls can be chained; the runtime reads the
 values back through read-only snake_case properties
 (``opts.device_iterations``, ``opts.Training.gradient_accumulation``, ...).
 
-Options handed to a model or a ``DataLoader`` are frozen (``_freeze``):
-setting anything afterwards raises, and ``clone()`` or ``copy.deepcopy``
-gives an unfrozen copy.
+Options handed to a model or a ``DataLoader`` are frozen: setting anything
+afterwards raises, and ``clone()`` or ``copy.deepcopy`` gives an unfrozen
+copy.
 
 ``OPTION_EFFECTS`` is the one table saying what each option does on this
 implementation (CPU/GPU): implemented, no effect (an IPU tuning knob, logged
-once at INFO when set), or stored now for a feature that reads it.
+once at INFO when set), or stored now for a feature that reads it. The
+machinery behind the options (that table, the argument checks, the shared
+group behaviour, options files) is in ``_impl/options/``.
 """
 import copy
-import enum
 import os
 import re
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -31,420 +32,22 @@ from ._impl.staging import strategies
 from ._impl.precision.automatic_casting import DEFAULT_POLICY, Policy
 from ._impl.options.config_file import ConfigFileError
 from ._impl.logger import info_once
+from ._impl.options.effects import OPTION_EFFECTS, Effect
+from ._impl.options.groups import UNSET, OptionsGroup, read_only, readable
+from ._impl.options.validation import (check_bool, check_enum, check_int,
+                                       check_str, frozen_error, invalid,
+                                       path_or_none)
 
 __all__ = ["Options", "TensorLocationSettings", "ConfigFileError",
            "OPTION_EFFECTS", "Effect"]
 
-IMPLEMENTED = "implemented"
-NO_EFFECT = "no effect on CPU/GPU"
-STORED = "stored now"
-
-
-class Effect(NamedTuple):
-    """What an option does here: ``kind`` is ``IMPLEMENTED``, ``NO_EFFECT``
-    or ``STORED``; ``note`` says how, why not, or which feature reads it."""
-    kind: str
-    note: str
-
-
-_TENSOR_LOCATIONS = Effect(
-    STORED, "takes effect with tensor locations (off-chip storage on GPUs, "
-    "replicated tensor sharding); on a CPU device host and device memory "
-    "are the same, so off-chip storage would change nothing there")
-_IO_TILES = Effect(NO_EFFECT, "IPU I/O tiles do not exist on CPU/GPU")
-_SOURCE_LOCATIONS = Effect(
-    IMPLEMENTED, "frames of these files are skipped when capture errors "
-    "name the user's source line")
-_DISTRIBUTED = Effect(
-    IMPLEMENTED, "training models of an n-process run join a "
-    "torch.distributed process group and all-reduce their gradients; the "
-    "DataLoader gives each process its part of the data")
-
-#: Every option setter (qualified as written in a config file), with its
-#: effect on this implementation. Config files and POPTORCH_DEFAULT_OPTIONS
-#: may call exactly these (TensorLocationSettings.* inside a settings chain).
-OPTION_EFFECTS: Dict[str, Effect] = {
-    "anchorTensor": Effect(
-        IMPLEMENTED, "the named tensor is returned by getAnchoredTensor "
-        "after each call"),
-    "appendToLocationExcludes": _SOURCE_LOCATIONS,
-    "autoRoundNumIPUs": Effect(
-        IMPLEMENTED, "blocks placed on a number of IPUs that is not a power "
-        "of 2 are accepted (the count is rounded up) instead of rejected; "
-        "the IPU Model and connectionType(Never) accept any count"),
-    "broadcastBuffers": Effect(
-        IMPLEMENTED, "with False each replica keeps its own buffers"),
-    "connectionType": Effect(
-        IMPLEMENTED, "Never allows compiling but running raises; Always and "
-        "OnDemand behave alike because the device is always available"),
-    "deviceIterations": Effect(
-        IMPLEMENTED, "each call runs this many steps (semantics.md)"),
-    "disableModuleNamescope": Effect(
-        IMPLEMENTED, "tensor names (getTensorNames, anchorTensor) leave out "
-        "module paths"),
-    "enableExecutableCaching": Effect(
-        IMPLEMENTED, "compiled executables (inductor backend) are kept in "
-        "and loaded from this directory"),
-    "enableProfiling": Effect(
-        NO_EFFECT, "IPU profiling reports (PopVision) are not produced; use "
-        "torch.profiler instead"),
-    "enableStableNorm": Effect(
-        NO_EFFECT, "PyTorch's CPU/GPU normalisation kernels already compute "
-        "statistics in a numerically stable way"),
-    "enableSyntheticData": Effect(
-        NO_EFFECT, "there is no host-to-IPU data stream to replace; the "
-        "model always reads the data it is given"),
-    "inputReplicaGrouping": Effect(
-        IMPLEMENTED, "the replicas of an input group read the same slice "
-        "of each call's data"),
-    "logCycleCount": Effect(
-        NO_EFFECT, "IPU cycle counts do not exist on CPU/GPU"),
-    "logDir": Effect(
-        NO_EFFECT, "no log files are written; messages go to the console"),
-    "maxRepeatLogs": Effect(
-        STORED, "takes effect with suppression of repeated log lines"),
-    "modelName": Effect(
-        STORED, "takes effect with model names (profiling and executable "
-        "names)"),
-    "outputMode": Effect(
-        IMPLEMENTED, "selects which iterations' outputs a call returns"),
-    "randomSeed": Effect(
-        IMPLEMENTED, "seeds the random number generator of the model's "
-        "random operations"),
-    "relaxOptimizerAttributesChecks": Effect(
-        IMPLEMENTED, "unexpected param-group attributes given to "
-        "setOptimizer() are logged at DEBUG instead of warned about once"),
-    "replicationFactor": Effect(
-        IMPLEMENTED, "each replica processes its slice of every call's data "
-        "(semantics.md); the replicas of a step run as one vectorised "
-        "computation"),
-    "setAvailableMemoryProportion": Effect(
-        NO_EFFECT, "IPU tile memory budgets do not exist; PyTorch chooses "
-        "its own kernels"),
-    "setBackend": Effect(
-        IMPLEMENTED, "chooses how captured steps run (graph, inductor, "
-        "aot_eager) and whether CUDA devices replay each call as a CUDA "
-        "graph; not in PopTorch's API"),
-    "setExecutionStrategy": Effect(
-        IMPLEMENTED, "places the model's blocks and rejects what PopTorch "
-        "rejects (stage order, pipeline depth, unknown blocks); several "
-        "stages run as separate partitions on the one device of the process: "
-        "PipelinedExecution training as a 1F1B schedule of "
-        "torch.distributed.pipelining, the other strategies and inference "
-        "stage after stage, with unchanged numerics (docs/model_parallel.md)"),
-    "showCompilationProgressBar": Effect(
-        IMPLEMENTED, "a tqdm progress bar is shown on stderr while "
-        "compiling"),
-    "sourceLocationExcludes": _SOURCE_LOCATIONS,
-    "syncPattern": Effect(
-        NO_EFFECT, "IPU/host synchronisation patterns do not exist"),
-    "useIpuId": Effect(
-        NO_EFFECT, "there are no IPU devices to select; the model runs on "
-        "its PyTorch device"),
-    "useIpuModel": Effect(
-        NO_EFFECT, "there is no IPU to simulate; the model runs on its "
-        "PyTorch device"),
-    "updatableNamedBuffers": Effect(
-        IMPLEMENTED, "copyNamedBuffersToDevice() copies these buffers of the "
-        "host module to the device, leaving the other weights there as they "
-        "are"),
-    "useOfflineIpuTarget": Effect(
-        IMPLEMENTED, "sets connectionType(Never): models compile and export "
-        "(compileAndExport) but do not run; poptorch.load runs them"),
-    "Training.gradientAccumulation": Effect(
-        IMPLEMENTED, "each optimizer step accumulates this many "
-        "micro-batches"),
-    "Training.accumulationAndReplicationReductionType": Effect(
-        IMPLEMENTED, "Mean averages, Sum adds the gradients of accumulated "
-        "micro-batches and replicas"),
-    "Training.setMeanAccumulationAndReplicationReductionStrategy": Effect(
-        IMPLEMENTED, "Running keeps the gradient buffer as the running mean, "
-        "Post divides the sum at the end, PostAndLoss (deprecated) divides "
-        "the loss by the replicas and the sum by the accumulation; the "
-        "default is Running for a float16 accum_type, else Post"),
-    "Training.setAutomaticLossScaling": Effect(
-        IMPLEMENTED, "a dynamic loss scale kept on the device: a step whose "
-        "gradients overflow is skipped and halves it, 2000 finite steps in a "
-        "row double it; read it as model.current_loss_scale"),
-    "Training.setConvolutionDithering": Effect(
-        NO_EFFECT, "convolution tile placement is specific to the IPU"),
-    "Precision.autocastEnabled": Effect(
-        IMPLEMENTED, "with False, automatic mixed-precision casting "
-        "(model.autocast(), poptorch.autocast) casts nothing in this model"),
-    "Precision.autocastPolicy": Effect(
-        IMPLEMENTED, "the casting policy of automatic mixed-precision "
-        "casting (poptorch.autocasting.Policy)"),
-    "Precision.enableFloatingPointExceptions": Effect(
-        IMPLEMENTED, "a call stops at the first step whose loss, gradients "
-        "or updated weights (an inference model's outputs) are not finite, "
-        "is rolled back and raises poptorch.Error naming the step and the "
-        "value (docs/failed_calls.md)"),
-    "Precision.enableStochasticRounding": Effect(
-        NO_EFFECT, "CPU/GPU arithmetic rounds to nearest; PyTorch has no "
-        "stochastic rounding mode"),
-    "Precision.halfFloatCasting": Effect(
-        IMPLEMENTED, "operations mixing float16 and float32 tensors compute "
-        "in float16 (Default, FloatDowncastToHalf) or float32 "
-        "(HalfUpcastToFloat); the spec marks this option as about to be "
-        "removed"),
-    "Precision.runningStatisticsAlwaysFloat": Effect(
-        NO_EFFECT, "running statistics keep the dtype of the module's "
-        "buffers as in PyTorch; the spec marks this option as about to be "
-        "removed"),
-    "Precision.setPartialsType": Effect(
-        NO_EFFECT, "the PyTorch backend chooses the accumulation precision "
-        "of matrix multiplications and convolutions"),
-    "Jit.traceModel": Effect(
-        NO_EFFECT, "models are captured by PopTorch's own capture, not by a "
-        "choice of JIT tracing; the spec marks this option as about to be "
-        "removed"),
-    "TensorLocations.numIOTiles": _IO_TILES,
-    "TensorLocations.setActivationLocation": _TENSOR_LOCATIONS,
-    "TensorLocations.setWeightLocation": _TENSOR_LOCATIONS,
-    "TensorLocations.setOptimizerLocation": Effect(
-        IMPLEMENTED, "on CUDA, useOnChipStorage(False) keeps optimizer state "
-        "in pinned host memory between calls; no effect on a CPU device "
-        "(logged once)"),
-    "TensorLocations.setAccumulatorLocation": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.useOnChipStorage": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.useReplicatedTensorSharding": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.minElementsForOffChip": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.minElementsForReplicatedTensorSharding":
-        _TENSOR_LOCATIONS,
-    "TensorLocationSettings.useIOTilesToLoad": _IO_TILES,
-    "TensorLocationSettings.useIOTilesToStore": _IO_TILES,
-    "Distributed.configureProcessId": _DISTRIBUTED,
-    "_Popart.set": Effect(
-        NO_EFFECT, "PopART session options (every key) configure PopART's "
-        "IPU compiler, which is not used here"),
-    "_Popart.setEngineOptions": Effect(
-        NO_EFFECT, "Poplar engine options configure the IPU runtime, which "
-        "is not used here"),
-    "_Popart.setPatterns": Effect(
-        NO_EFFECT, "PopART graph transformation patterns do not exist; "
-        "PyTorch's own compilers transform the captured graph"),
-    "Distributed.disable": _DISTRIBUTED,
-    "Distributed.setEnvVarNames": _DISTRIBUTED,
-}
-
-
-def _announce_effect(option: str) -> None:
-    """Log once at INFO when an option without effect here is set: a knob
-    that has none on CPU/GPU, or one whose feature is not available yet."""
-    effect = OPTION_EFFECTS[option]
-    if effect.kind == NO_EFFECT:
-        info_once(f"{option} has no effect on this device (CPU/GPU): "
-                  f"{effect.note}. The value is validated and stored.")
-    elif effect.kind == STORED:
-        info_once(f"{option} has no effect yet: it {effect.note}, which is "
-                  "not available in this version. The value is validated "
-                  "and stored.")
-
-
-# --- Argument checks ---
-
-def _invalid(what: str, expected: str, value: Any) -> Error:
-    return Error(f"{what} must be {expected}, got {value!r}")
-
-
-def _check_bool(what: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise _invalid(what, "a bool (True or False)", value)
-
-
-def _check_int(what: str, value: Any, minimum: Optional[int] = None,
-               below: Optional[int] = None) -> None:
-    expected = "an int"
-    if minimum is not None:
-        expected += f" >= {minimum}"
-    if below is not None:
-        expected += f" and < {below}"
-    if (isinstance(value, bool) or not isinstance(value, int)
-            or (minimum is not None and value < minimum)
-            or (below is not None and value >= below)):
-        raise _invalid(what, expected, value)
-
-
-def _check_str(what: str, value: Any) -> None:
-    if not isinstance(value, str):
-        raise _invalid(what, "a str", value)
-
-
-def _check_enum(what: str, value: Any, enum_class: type,
-                allowed: Optional[Tuple[enum.Enum, ...]] = None) -> None:
-    allowed = tuple(enum_class) if allowed is None else allowed
-    if not isinstance(value, enum_class) or value not in allowed:
-        names = ", ".join(f"poptorch.{enum_class.__name__}.{member.name}"
-                          for member in allowed)
-        raise _invalid(what, f"one of {names}", value)
-
-
-def _path_or_none(what: str, value: Any) -> Optional[str]:
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise _invalid(what, "a path (str or os.PathLike) or None", value)
-    return os.fspath(value)
-
-
-def _frozen_error(option: str) -> Error:
-    return Error(
-        f"Cannot call {option}(): these options are frozen because they were "
-        "passed to a model or a DataLoader. Use options.clone() to get an "
-        "unfrozen copy and change that one.")
-
-
-# --- Shared machinery of Options, its groups and TensorLocationSettings ---
-
-class _Unset:
-    """Marks a value that has not been set explicitly and comes from the
-    environment when read."""
-
-    def __repr__(self) -> str:
-        return "<from environment>"
-
-    def __reduce__(self) -> str:
-        return "_UNSET"
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Unset":
-        return self
-
-
-_UNSET = _Unset()
-
-
-def _read_only(name: str, doc: str) -> property:
-    """A read-only property returning (a copy of) the stored value."""
-
-    def read(self: "_OptionsGroup") -> Any:
-        value = self._values[name]
-        return copy.copy(value) if isinstance(value, (list, dict)) else value
-
-    return property(read, doc=doc)
-
-
-class _OptionsGroup:
-    """Stored values, freezing, copying and printing shared by ``Options``,
-    its groups and ``TensorLocationSettings``.
-
-    ``_DEFAULTS`` maps each read-side property name to its default value;
-    setters never mutate a stored list or dict in place, they store a new one.
-    """
-    _DISPLAY_NAME = ""
-    _DEFAULTS: Dict[str, Any] = {}
-    _GROUPS: Tuple[str, ...] = ()
-    _SETTER_OF: Dict[str, str] = {}
-
-    def __init__(self) -> None:
-        self._values: Dict[str, Any] = copy.deepcopy(self._DEFAULTS)
-        self._frozen = False
-
-    def _apply_keywords(self, default_values: Dict[str, Any]) -> None:
-        """Set initial values given as ``property_name=value`` keywords
-        through the matching setters."""
-        for name, value in default_values.items():
-            if name not in self._SETTER_OF:
-                allowed = ", ".join(self._SETTER_OF)
-                raise Error(f"{self._DISPLAY_NAME}() got an unknown keyword "
-                            f"{name!r}; allowed keywords: {allowed}")
-            getattr(self, self._SETTER_OF[name])(value)
-
-    def _store(self, option: str, **values: Any) -> Any:
-        """Record already validated values for ``option``; return self."""
-        if self._frozen:
-            raise _frozen_error(option)
-        self._values.update(values)
-        _announce_effect(option)
-        return self
-
-    def _children(self) -> Iterator["_OptionsGroup"]:
-        for value in self._values.values():
-            if isinstance(value, _OptionsGroup):
-                yield value
-        for name in self._GROUPS:
-            yield getattr(self, name)
-
-    def _set_frozen(self, frozen: bool) -> None:
-        self._frozen = frozen
-        for child in self._children():
-            child._set_frozen(frozen)
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_OptionsGroup":
-        duplicate = type(self).__new__(type(self))
-        memo[id(self)] = duplicate
-        duplicate.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        duplicate._set_frozen(False)
-        return duplicate
-
-    def __copy__(self) -> "_OptionsGroup":
-        """Options have no useful shallow copy: copy.copy gives the same
-        unfrozen deep copy as copy.deepcopy."""
-        return copy.deepcopy(self)
-
-    def _exported_names(self) -> Tuple[str, ...]:
-        return tuple(self._DEFAULTS) + self._GROUPS
-
-    def toDict(self) -> Dict[str, Any]:
-        """Every option as plain JSON-serialisable values (nested dicts for
-        groups, enums as ``"Enum.Member"``, dtypes as ``"torch.float16"``,
-        other objects by ``repr``). Equal options give equal dicts."""
-        return {name: _plain(getattr(self, name))
-                for name in self._exported_names()}
-
-    def _reference(self) -> "_OptionsGroup":
-        """An object of the same type holding the built-in defaults."""
-        return type(self)()
-
-    def _changed_items(self, reference: "_OptionsGroup",
-                       prefix: str) -> Iterator[Tuple[str, str]]:
-        for name in self._DEFAULTS:
-            value = getattr(self, name)
-            if value != getattr(reference, name):
-                yield prefix + name, _readable(value)
-        for name in self._GROUPS:
-            yield from getattr(self, name)._changed_items(
-                getattr(reference, name), f"{prefix}{name}.")
-
-    def __repr__(self) -> str:
-        changed = self._changed_items(self._reference(), "")
-        listed = ", ".join(f"{name}={value}" for name, value in changed)
-        return f"{self._DISPLAY_NAME}({listed})"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, _OptionsGroup):
-        return value.toDict()
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__name__}.{value.name}"
-    if isinstance(value, torch.dtype):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted((_plain(item) for item in value), key=repr)
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)
-
-
-def _readable(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__name__}.{value.name}"
-    if isinstance(value, (list, tuple)):
-        items = ", ".join(_readable(item) for item in value)
-        return f"[{items}]" if isinstance(value, list) else f"({items})"
-    if isinstance(value, dict):
-        items = ", ".join(f"{key!r}: {_readable(item)}"
-                          for key, item in value.items())
-        return "{" + items + "}"
-    return repr(value)
+# Pickled Options from earlier versions name the unset marker here.
+_UNSET = UNSET
 
 
 # --- Groups ---
 
-class TensorLocationSettings(_OptionsGroup):
+class TensorLocationSettings(OptionsGroup):
     """Where a kind of tensor is stored: on or off chip, with or without
     replicated tensor sharding (RTS), through I/O tiles or compute tiles.
 
@@ -477,22 +80,22 @@ class TensorLocationSettings(_OptionsGroup):
         super().__init__()
         self._apply_keywords(default_values)
 
-    on_chip = _read_only(
+    on_chip = read_only(
         "on_chip", "True: on-chip memory, False: off-chip memory, None: "
         "undefined (the default).")
-    replicated_tensor_sharding = _read_only(
+    replicated_tensor_sharding = read_only(
         "replicated_tensor_sharding", "Whether replicated tensor sharding is "
         "enabled (default False).")
-    min_elements_for_off_chip = _read_only(
+    min_elements_for_off_chip = read_only(
         "min_elements_for_off_chip", "Tensors with fewer elements are not "
         "considered for off-chip storage (default 0).")
-    min_elements_for_replicated_tensor_sharding = _read_only(
+    min_elements_for_replicated_tensor_sharding = read_only(
         "min_elements_for_replicated_tensor_sharding", "Only tensors with "
         "more elements use replicated tensor sharding (default 0).")
-    io_tiles_to_load = _read_only(
+    io_tiles_to_load = read_only(
         "io_tiles_to_load", "Whether tensors are loaded through I/O tiles "
         "(default False).")
-    io_tiles_to_store = _read_only(
+    io_tiles_to_store = read_only(
         "io_tiles_to_store", "Whether tensors are stored through I/O tiles "
         "(default False).")
 
@@ -502,7 +105,7 @@ class TensorLocationSettings(_OptionsGroup):
         undefined."""
         option = "TensorLocationSettings.useOnChipStorage"
         if use is not None:
-            _check_bool(option, use)
+            check_bool(option, use)
         return self._store(option, on_chip=use)
 
     def useReplicatedTensorSharding(self, use: bool = True
@@ -510,7 +113,7 @@ class TensorLocationSettings(_OptionsGroup):
         """Enable replicated tensor sharding (relevant for weights and
         optimiser states)."""
         option = "TensorLocationSettings.useReplicatedTensorSharding"
-        _check_bool(option, use)
+        check_bool(option, use)
         return self._store(option, replicated_tensor_sharding=use)
 
     def minElementsForOffChip(self, min_elements: int
@@ -518,7 +121,7 @@ class TensorLocationSettings(_OptionsGroup):
         """Tensors with fewer than ``min_elements`` elements are not
         considered for offloading."""
         option = "TensorLocationSettings.minElementsForOffChip"
-        _check_int(option, min_elements, minimum=0)
+        check_int(option, min_elements, minimum=0)
         return self._store(option, min_elements_for_off_chip=min_elements)
 
     def minElementsForReplicatedTensorSharding(self, min_elements: int
@@ -527,21 +130,21 @@ class TensorLocationSettings(_OptionsGroup):
         ``min_elements`` elements."""
         option = ("TensorLocationSettings."
                   "minElementsForReplicatedTensorSharding")
-        _check_int(option, min_elements, minimum=0)
+        check_int(option, min_elements, minimum=0)
         return self._store(
             option, min_elements_for_replicated_tensor_sharding=min_elements)
 
     def useIOTilesToLoad(self, use: bool = True) -> "TensorLocationSettings":
         """Load tensors through I/O tiles (True) or compute tiles (False)."""
         option = "TensorLocationSettings.useIOTilesToLoad"
-        _check_bool(option, use)
+        check_bool(option, use)
         return self._store(option, io_tiles_to_load=use)
 
     def useIOTilesToStore(self, use: bool = True) -> "TensorLocationSettings":
         """Store tensors through I/O tiles (True) or compute tiles (False);
         relevant for replicated tensor sharded tensors."""
         option = "TensorLocationSettings.useIOTilesToStore"
-        _check_bool(option, use)
+        check_bool(option, use)
         return self._store(option, io_tiles_to_store=use)
 
     def __eq__(self, other: Any) -> bool:
@@ -552,7 +155,7 @@ class TensorLocationSettings(_OptionsGroup):
     __hash__ = None
 
 
-class _TrainingOptions(_OptionsGroup):
+class _TrainingOptions(OptionsGroup):
     """Options specific to training (``opts.Training``). They must not be
     set for inference models."""
     _DISPLAY_NAME = "_TrainingOptions"
@@ -564,23 +167,23 @@ class _TrainingOptions(_OptionsGroup):
         "convolution_dithering": False,
     }
 
-    gradient_accumulation = _read_only(
+    gradient_accumulation = read_only(
         "gradient_accumulation", "Micro-batches accumulated per optimizer "
         "step (default 1).")
-    accumulation_and_replication_reduction_type = _read_only(
+    accumulation_and_replication_reduction_type = read_only(
         "accumulation_and_replication_reduction_type", "How gradients are "
         "reduced over accumulation and replicas (default ReductionType.Mean).")
-    mean_accumulation_and_replication_reduction_strategy = _read_only(
+    mean_accumulation_and_replication_reduction_strategy = read_only(
         "mean_accumulation_and_replication_reduction_strategy",
         "A MeanReductionStrategy, or None (the default): chosen from the "
         "optimizer (Running for a float16 accum_type, else Post).")
-    auto_loss_scaling = _read_only(
+    auto_loss_scaling = read_only(
         "auto_loss_scaling", "Whether automatic loss scaling is enabled "
         "(default False).")
-    convolution_dithering = _read_only(
+    convolution_dithering = read_only(
         "convolution_dithering", "Whether convolution dithering is enabled "
         "(default False).")
-    meanAccumulationAndReplicationReductionStrategy = _read_only(
+    meanAccumulationAndReplicationReductionStrategy = read_only(
         "mean_accumulation_and_replication_reduction_strategy",
         "PopTorch's name of mean_accumulation_and_replication_reduction_"
         "strategy.")
@@ -590,7 +193,7 @@ class _TrainingOptions(_OptionsGroup):
         """Number of micro-batches whose gradients are accumulated before
         each optimizer update (scales the global batch size)."""
         option = "Training.gradientAccumulation"
-        _check_int(option, gradient_accumulation, minimum=1)
+        check_int(option, gradient_accumulation, minimum=1)
         return self._store(option, gradient_accumulation=gradient_accumulation)
 
     def accumulationAndReplicationReductionType(
@@ -598,8 +201,8 @@ class _TrainingOptions(_OptionsGroup):
         """Reduction of gradients over accumulated micro-batches and
         replicas: ``ReductionType.Mean`` (default) or ``ReductionType.Sum``."""
         option = "Training.accumulationAndReplicationReductionType"
-        _check_enum(option, reduction_type, ReductionType,
-                    (ReductionType.Mean, ReductionType.Sum))
+        check_enum(option, reduction_type, ReductionType,
+                   (ReductionType.Mean, ReductionType.Sum))
         return self._store(
             option, accumulation_and_replication_reduction_type=reduction_type)
 
@@ -609,7 +212,7 @@ class _TrainingOptions(_OptionsGroup):
         """When a ``Mean`` reduction divides by its factor: ``Running``,
         ``Post`` or (deprecated) ``PostAndLoss``."""
         option = "Training.setMeanAccumulationAndReplicationReductionStrategy"
-        _check_enum(option, mean_reduction_strategy, MeanReductionStrategy)
+        check_enum(option, mean_reduction_strategy, MeanReductionStrategy)
         return self._store(
             option, mean_accumulation_and_replication_reduction_strategy=(
                 mean_reduction_strategy))
@@ -617,17 +220,17 @@ class _TrainingOptions(_OptionsGroup):
     def setAutomaticLossScaling(self, enabled: bool) -> "_TrainingOptions":
         """Enable or disable automatic loss scaling."""
         option = "Training.setAutomaticLossScaling"
-        _check_bool(option, enabled)
+        check_bool(option, enabled)
         return self._store(option, auto_loss_scaling=enabled)
 
     def setConvolutionDithering(self, enabled: bool) -> "_TrainingOptions":
         """Enable or disable convolution dithering for all convolutions."""
         option = "Training.setConvolutionDithering"
-        _check_bool(option, enabled)
+        check_bool(option, enabled)
         return self._store(option, convolution_dithering=enabled)
 
 
-class _PrecisionOptions(_OptionsGroup):
+class _PrecisionOptions(OptionsGroup):
     """Options related to numerical precision (``opts.Precision``)."""
     _DISPLAY_NAME = "_PrecisionOptions"
     _DEFAULTS = {
@@ -640,24 +243,24 @@ class _PrecisionOptions(_OptionsGroup):
         "autocast_policy": DEFAULT_POLICY,
     }
 
-    half_float_casting = _read_only(
+    half_float_casting = read_only(
         "half_float_casting", "A HalfFloatCastingBehavior (default "
         "HalfFloatCastingBehavior.Default).")
-    running_statistics_always_float = _read_only(
+    running_statistics_always_float = read_only(
         "running_statistics_always_float", "Default True.")
-    partials_type = _read_only(
+    partials_type = read_only(
         "partials_type", "dtype of matmul/convolution partials (default "
         "torch.float32).")
-    stochastic_rounding = _read_only(
+    stochastic_rounding = read_only(
         "stochastic_rounding", "Whether stochastic rounding is enabled "
         "(default False).")
-    floating_point_exceptions = _read_only(
+    floating_point_exceptions = read_only(
         "floating_point_exceptions", "Whether floating point exceptions are "
         "enabled (default False).")
-    autocast_enabled = _read_only(
+    autocast_enabled = read_only(
         "autocast_enabled", "Whether automatic casting is allowed to act "
         "(default True).")
-    autocast_policy = _read_only(
+    autocast_policy = read_only(
         "autocast_policy", "The casting policy of automatic casting "
         "(default poptorch.autocasting.default).")
 
@@ -666,14 +269,14 @@ class _PrecisionOptions(_OptionsGroup):
         """Casting rule for operations mixing float16 and float32 (the spec
         marks it as about to be removed)."""
         option = "Precision.halfFloatCasting"
-        _check_enum(option, half_float_casting, HalfFloatCastingBehavior)
+        check_enum(option, half_float_casting, HalfFloatCastingBehavior)
         return self._store(option, half_float_casting=half_float_casting)
 
     def runningStatisticsAlwaysFloat(self, value: bool) -> "_PrecisionOptions":
         """Keep batch-norm running statistics in float32 (the spec marks it as
         about to be removed)."""
         option = "Precision.runningStatisticsAlwaysFloat"
-        _check_bool(option, value)
+        check_bool(option, value)
         return self._store(option, running_statistics_always_float=value)
 
     def setPartialsType(self, dtype: torch.dtype) -> "_PrecisionOptions":
@@ -681,13 +284,13 @@ class _PrecisionOptions(_OptionsGroup):
         convolutions: ``torch.float`` or ``torch.half``."""
         option = "Precision.setPartialsType"
         if dtype not in (torch.float32, torch.float16):
-            raise _invalid(option, "torch.float or torch.half", dtype)
+            raise invalid(option, "torch.float or torch.half", dtype)
         return self._store(option, partials_type=dtype)
 
     def enableStochasticRounding(self, enabled: bool) -> "_PrecisionOptions":
         """Enable or disable stochastic rounding."""
         option = "Precision.enableStochasticRounding"
-        _check_bool(option, enabled)
+        check_bool(option, enabled)
         return self._store(option, stochastic_rounding=enabled)
 
     def enableFloatingPointExceptions(self, enabled: bool
@@ -701,14 +304,14 @@ class _PrecisionOptions(_OptionsGroup):
         value, is rolled back, and raises ``poptorch.Error`` naming the step
         and the value (``docs/failed_calls.md``)."""
         option = "Precision.enableFloatingPointExceptions"
-        _check_bool(option, enabled)
+        check_bool(option, enabled)
         return self._store(option, floating_point_exceptions=enabled)
 
     def autocastEnabled(self, enabled: bool) -> "_PrecisionOptions":
         """Turn automatic mixed-precision casting (``poptorch.autocast``) on
         or off for the whole application."""
         option = "Precision.autocastEnabled"
-        _check_bool(option, enabled)
+        check_bool(option, enabled)
         return self._store(option, autocast_enabled=enabled)
 
     def autocastPolicy(self, policy: Policy) -> "_PrecisionOptions":
@@ -716,11 +319,11 @@ class _PrecisionOptions(_OptionsGroup):
         automatic casting follows."""
         option = "Precision.autocastPolicy"
         if not isinstance(policy, Policy):
-            raise _invalid(option, "a poptorch.autocasting.Policy", policy)
+            raise invalid(option, "a poptorch.autocasting.Policy", policy)
         return self._store(option, autocast_policy=policy)
 
 
-class _JitOptions(_OptionsGroup):
+class _JitOptions(OptionsGroup):
     """Options related to PyTorch's JIT compiler (``opts.Jit``)."""
     _DISPLAY_NAME = "_JitOptions"
     _DEFAULTS = {"trace_model": False}
@@ -730,7 +333,7 @@ class _JitOptions(_OptionsGroup):
         super().__init__()
         self._apply_keywords(default_values)
 
-    trace_model = _read_only(
+    trace_model = read_only(
         "trace_model", "Whether the model is traced with torch.jit (default "
         "False).")
 
@@ -738,11 +341,11 @@ class _JitOptions(_OptionsGroup):
         """Use torch.jit tracing (the spec marks it as about to be
         removed)."""
         option = "Jit.traceModel"
-        _check_bool(option, trace_model)
+        check_bool(option, trace_model)
         return self._store(option, trace_model=trace_model)
 
 
-class _TensorLocationOptions(_OptionsGroup):
+class _TensorLocationOptions(OptionsGroup):
     """Where tensors are stored (``opts.TensorLocations``)."""
     _DISPLAY_NAME = "_TensorLocationOptions"
     _DEFAULTS = {
@@ -764,33 +367,33 @@ class _TensorLocationOptions(_OptionsGroup):
         super().__init__()
         self._apply_keywords(default_values)
 
-    activation_location = _read_only(
+    activation_location = read_only(
         "activation_location", "TensorLocationSettings for activations, or "
         "None (default).")
-    weight_location = _read_only(
+    weight_location = read_only(
         "weight_location", "TensorLocationSettings for weights, or None "
         "(default).")
-    optimizer_location = _read_only(
+    optimizer_location = read_only(
         "optimizer_location", "TensorLocationSettings for optimizer states, "
         "or None (default).")
-    accumulator_location = _read_only(
+    accumulator_location = read_only(
         "accumulator_location", "TensorLocationSettings for accumulators, "
         "or None (default).")
-    num_io_tiles = _read_only(
+    num_io_tiles = read_only(
         "num_io_tiles", "Number of IPU tiles used for I/O (default 0).")
 
     def numIOTiles(self, num_tiles: int) -> "_TensorLocationOptions":
         """Number of IPU tiles reserved for I/O rather than compute."""
         option = "TensorLocations.numIOTiles"
-        _check_int(option, num_tiles, minimum=0)
+        check_int(option, num_tiles, minimum=0)
         return self._store(option, num_io_tiles=num_tiles)
 
     def _store_location(self, option: str, name: str,
                         location: TensorLocationSettings
                         ) -> "_TensorLocationOptions":
         if not isinstance(location, TensorLocationSettings):
-            raise _invalid(option, "a poptorch.TensorLocationSettings",
-                           location)
+            raise invalid(option, "a poptorch.TensorLocationSettings",
+                          location)
         return self._store(option, **{name: copy.deepcopy(location)})
 
     def setActivationLocation(self, location: TensorLocationSettings
@@ -825,7 +428,7 @@ _POPART_VALUE_TYPES = (bool, int, float, str, list, tuple, set, frozenset,
                        dict)
 
 
-class _PopartOptions(_OptionsGroup):
+class _PopartOptions(OptionsGroup):
     """Options of PopART, PopTorch's IPU compiler (``opts._Popart``). They
     are accepted so that programs setting them run; none has an effect
     here."""
@@ -833,21 +436,21 @@ class _PopartOptions(_OptionsGroup):
     _DEFAULTS = {"options": {}, "engine_options": {}, "patterns": {},
                  "patterns_level": 2}
 
-    options = _read_only("options", "PopART session options set by key.")
-    engine_options = _read_only(
+    options = read_only("options", "PopART session options set by key.")
+    engine_options = read_only(
         "engine_options", "Poplar engine options (default empty).")
-    patterns = _read_only("patterns", "PopART pattern name -> enabled.")
-    patterns_level = _read_only(
+    patterns = read_only("patterns", "PopART pattern name -> enabled.")
+    patterns_level = read_only(
         "patterns_level", "PopART patterns level (default 2).")
 
     def set(self, key: str, value: Any) -> "_PopartOptions":
         """Set the PopART session option ``key`` to ``value``."""
         option = "_Popart.set"
-        _check_str(f"{option} key", key)
+        check_str(f"{option} key", key)
         if not isinstance(value, _POPART_VALUE_TYPES):
-            raise _invalid(f"{option} value for {key!r}",
-                           "a bool, int, float, str, list, tuple, set or "
-                           "dict", value)
+            raise invalid(f"{option} value for {key!r}",
+                          "a bool, int, float, str, list, tuple, set or "
+                          "dict", value)
         return self._store(option, options={**self.options, key: value})
 
     def setEngineOptions(self, engine_options: Dict[str, str]
@@ -856,7 +459,7 @@ class _PopartOptions(_OptionsGroup):
         option = "_Popart.setEngineOptions"
         if not isinstance(engine_options, dict) or not all(
                 isinstance(key, str) for key in engine_options):
-            raise _invalid(option, "a dict with str keys", engine_options)
+            raise invalid(option, "a dict with str keys", engine_options)
         return self._store(option, engine_options=dict(engine_options))
 
     def setPatterns(self, patterns: Dict[str, bool],
@@ -866,8 +469,8 @@ class _PopartOptions(_OptionsGroup):
         if not isinstance(patterns, dict) or not all(
                 isinstance(key, str) and isinstance(value, bool)
                 for key, value in patterns.items()):
-            raise _invalid(option, "a dict of str to bool", patterns)
-        _check_int(f"{option} level", level, minimum=0)
+            raise invalid(option, "a dict of str to bool", patterns)
+        check_int(f"{option} level", level, minimum=0)
         return self._store(option, patterns=dict(patterns),
                            patterns_level=level)
 
@@ -876,7 +479,7 @@ _PROCESS_ENVIRONMENTS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
                          ("WORLD_SIZE", "RANK"))
 
 
-class _DistributedOptions(_OptionsGroup):
+class _DistributedOptions(OptionsGroup):
     """Options of distributed execution (``opts.Distributed``).
 
     By default the process id and count come from OpenMPI's
@@ -886,13 +489,13 @@ class _DistributedOptions(_OptionsGroup):
     _DISPLAY_NAME = "_DistributedOptions"
     _DEFAULTS = {"processId": 0, "numProcesses": 1}
 
-    processId = _read_only("processId", "Id of the current process.")
-    numProcesses = _read_only(
+    processId = read_only("processId", "Id of the current process.")
+    numProcesses = read_only(
         "numProcesses", "Total number of processes the execution is "
         "distributed over.")
-    distributed_process_id = _read_only(
+    distributed_process_id = read_only(
         "processId", "PopTorch's other name of processId.")
-    num_distributed_processes = _read_only(
+    num_distributed_processes = read_only(
         "numProcesses", "PopTorch's other name of numProcesses.")
 
     def _read_environment(self) -> None:
@@ -909,9 +512,9 @@ class _DistributedOptions(_OptionsGroup):
 
     def _set_process(self, option: str, process_id: int,
                      num_processes: int) -> "_DistributedOptions":
-        _check_int(f"{option} num_processes", num_processes, minimum=1)
-        _check_int(f"{option} process_id", process_id, minimum=0,
-                   below=num_processes)
+        check_int(f"{option} num_processes", num_processes, minimum=1)
+        check_int(f"{option} process_id", process_id, minimum=0,
+                  below=num_processes)
         return self._store(option, processId=process_id,
                            numProcesses=num_processes)
 
@@ -925,8 +528,8 @@ class _DistributedOptions(_OptionsGroup):
         """Read the number of processes and this process's id from the
         named environment variables (1 and 0 when a variable is unset)."""
         option = "Distributed.setEnvVarNames"
-        _check_str(f"{option} var_num_processes", var_num_processes)
-        _check_str(f"{option} var_process_id", var_process_id)
+        check_str(f"{option} var_num_processes", var_num_processes)
+        check_str(f"{option} var_process_id", var_process_id)
         num_processes = _integer_from_environment(option, var_num_processes, 1)
         process_id = _integer_from_environment(option, var_process_id, 0)
         return self._set_process(option, process_id, num_processes)
@@ -949,7 +552,7 @@ _IPU_NAME = re.compile(r"IPU\d+")
 _IPU_VERSIONS = (1, 2, 21)
 
 
-class Options(_OptionsGroup):
+class Options(OptionsGroup):
     """Set of all options controlling how a model is compiled and run.
 
     Pass an instance to ``poptorch.inferenceModel`` or
@@ -974,7 +577,7 @@ class Options(_OptionsGroup):
         "output_return_period": 1,
         "random_seed": None,
         "connection_type": ConnectionType.Always,
-        "use_ipu_model": _UNSET,
+        "use_ipu_model": UNSET,
         "ipu_id": None,
         "offline_ipu_version": None,
         "broadcast_buffers": True,
@@ -982,8 +585,8 @@ class Options(_OptionsGroup):
         "execution_strategy": None,
         "input_group_size": 1,
         "input_group_type": CommGroupType.Consecutive,
-        "executable_cache_dir": _UNSET,
-        "backend": _UNSET,
+        "executable_cache_dir": UNSET,
+        "backend": UNSET,
         "cuda_graphs": False,
         "show_compilation_progress_bar": True,
         "module_namescope": True,
@@ -1057,81 +660,81 @@ class Options(_OptionsGroup):
 
     # Read-side properties ---------------------------------------------------
 
-    device_iterations = _read_only(
+    device_iterations = read_only(
         "device_iterations", "Iterations run per call (default 1).")
-    replication_factor = _read_only(
+    replication_factor = read_only(
         "replication_factor", "Number of replicas of the model (default 1).")
-    output_mode = _read_only(
+    output_mode = read_only(
         "output_mode", "Which outputs a call returns (default "
         "OutputMode.Default).")
-    output_return_period = _read_only(
+    output_return_period = read_only(
         "output_return_period", "N of OutputMode.EveryN (default 1).")
-    random_seed = _read_only(
+    random_seed = read_only(
         "random_seed", "Seed of the random number generator, or None "
         "(default).")
-    connection_type = _read_only(
+    connection_type = read_only(
         "connection_type", "When to attach to the device (default "
         "ConnectionType.Always).")
-    ipu_id = _read_only("ipu_id", "IPU device id to use, or None (default).")
-    offline_ipu_version = _read_only(
+    ipu_id = read_only("ipu_id", "IPU device id to use, or None (default).")
+    offline_ipu_version = read_only(
         "offline_ipu_version", "IPU version of the offline target, or None "
         "(default: no offline target).")
-    broadcast_buffers = _read_only(
+    broadcast_buffers = read_only(
         "broadcast_buffers", "Whether buffers are broadcast to all replicas "
         "(default True).")
-    auto_round_num_ipus = _read_only(
+    auto_round_num_ipus = read_only(
         "auto_round_num_ipus", "Whether the number of IPUs is rounded up to a "
         "power of 2 (default False).")
-    execution_strategy = _read_only(
+    execution_strategy = read_only(
         "execution_strategy", "The execution strategy object, or None "
         "(default).")
-    input_group_size = _read_only(
+    input_group_size = read_only(
         "input_group_size", "Replicas per input replica group (default 1).")
-    input_group_type = _read_only(
+    input_group_type = read_only(
         "input_group_type", "Arrangement of input replica groups (default "
         "CommGroupType.Consecutive).")
-    show_compilation_progress_bar = _read_only(
+    show_compilation_progress_bar = read_only(
         "show_compilation_progress_bar", "Whether a progress bar is shown "
         "while compiling (default True).")
-    module_namescope = _read_only(
+    module_namescope = read_only(
         "module_namescope", "Whether operator names are prefixed by module "
         "names (default True).")
-    source_location_excludes = _read_only(
+    source_location_excludes = read_only(
         "source_location_excludes", "Frames whose file name contains one of "
         "these strings are skipped when reporting source locations.")
-    relax_optimizer_attributes_checks = _read_only(
+    relax_optimizer_attributes_checks = read_only(
         "relax_optimizer_attributes_checks", "Whether unexpected optimizer "
         "attributes give debug messages instead of warnings (default False).")
-    anchored_tensors = _read_only(
+    anchored_tensors = read_only(
         "anchored_tensors", "short name -> (long name, OutputMode or None, "
         "output return period) of each anchored tensor.")
-    model_name = _read_only(
+    model_name = read_only(
         "model_name", "Name of the model, or None (default: 'inference' or "
         "'training').")
-    log_dir = _read_only(
+    log_dir = read_only(
         "log_dir", "Directory for log files (default: current directory).")
-    max_repeat_logs = _read_only(
+    max_repeat_logs = read_only(
         "max_repeat_logs", "Repeated log lines shown before suppression, or "
         "None for all (default 4).")
-    profile_dir = _read_only(
+    profile_dir = read_only(
         "profile_dir", "Directory of profiling reports, or None when "
         "profiling is off (default).")
-    log_cycle_count = _read_only(
+    log_cycle_count = read_only(
         "log_cycle_count", "Whether IPU cycle counts are logged (default "
         "False).")
-    stable_norm = _read_only(
+    stable_norm = read_only(
         "stable_norm", "Whether stable norm operators are used (default "
         "False).")
-    synthetic_data = _read_only(
+    synthetic_data = read_only(
         "synthetic_data", "Whether synthetic data replaces host I/O (default "
         "False).")
-    sync_pattern = _read_only(
+    sync_pattern = read_only(
         "sync_pattern", "IPU synchronisation pattern (default "
         "SyncPattern.Full).")
-    available_memory_proportion = _read_only(
+    available_memory_proportion = read_only(
         "available_memory_proportion", "'IPU<n>' -> proportion of temporary "
         "memory (default empty).")
-    updatable_named_buffers = _read_only(
+    updatable_named_buffers = read_only(
         "updatable_named_buffers", "Names of the buffers "
         "copyNamedBuffersToDevice() copies (default empty).")
 
@@ -1140,7 +743,7 @@ class Options(_OptionsGroup):
         """The value given to ``useIpuModel``, else whether
         ``POPTORCH_IPU_MODEL=1`` is set now."""
         explicit = self._values["use_ipu_model"]
-        if explicit is not _UNSET:
+        if explicit is not UNSET:
             return explicit
         return os.environ.get("POPTORCH_IPU_MODEL") == "1"
 
@@ -1150,7 +753,7 @@ class Options(_OptionsGroup):
         caching), else ``POPTORCH_CACHE_DIR`` when it is set now, else
         None."""
         explicit = self._values["executable_cache_dir"]
-        if explicit is not _UNSET:
+        if explicit is not UNSET:
             return explicit
         return os.environ.get("POPTORCH_CACHE_DIR") or None
 
@@ -1160,9 +763,9 @@ class Options(_OptionsGroup):
         when it is set now, else ``"auto"``."""
         from ._impl.backends.selection import requested_backend
         explicit = self._values["backend"]
-        return requested_backend(None if explicit is _UNSET else explicit)
+        return requested_backend(None if explicit is UNSET else explicit)
 
-    cuda_graphs = _read_only(
+    cuda_graphs = read_only(
         "cuda_graphs", "Whether calls on CUDA devices replay as one CUDA "
         "graph (default False).")
 
@@ -1171,13 +774,13 @@ class Options(_OptionsGroup):
     def deviceIterations(self, device_iterations: int) -> "Options":
         """Number of iterations the device runs over the data before returning
         to the user (default 1)."""
-        _check_int("deviceIterations", device_iterations, minimum=1)
+        check_int("deviceIterations", device_iterations, minimum=1)
         return self._store("deviceIterations",
                            device_iterations=device_iterations)
 
     def replicationFactor(self, replication_factor: int) -> "Options":
         """Number of times the model is replicated (default 1)."""
-        _check_int("replicationFactor", replication_factor, minimum=1)
+        check_int("replicationFactor", replication_factor, minimum=1)
         return self._store("replicationFactor",
                            replication_factor=replication_factor)
 
@@ -1187,16 +790,16 @@ class Options(_OptionsGroup):
         (every ``output_return_period`` iterations) or ``Default`` (``All``
         for inference, ``Final`` for training). As in PopTorch, a period
         given with another mode than ``EveryN`` is ignored (logged once)."""
-        _check_enum("outputMode", output_mode, OutputMode)
+        check_enum("outputMode", output_mode, OutputMode)
         period = 1
         if output_mode == OutputMode.EveryN:
-            _check_int("outputMode output_return_period (with "
-                       "OutputMode.EveryN)", output_return_period, minimum=1)
+            check_int("outputMode output_return_period (with "
+                      "OutputMode.EveryN)", output_return_period, minimum=1)
             period = output_return_period
         elif output_return_period is not None:
             info_once(f"outputMode: output_return_period="
                       f"{output_return_period!r} is ignored with "
-                      f"{_readable(output_mode)}; only OutputMode.EveryN "
+                      f"{readable(output_mode)}; only OutputMode.EveryN "
                       "uses a return period")
         return self._store("outputMode", output_mode=output_mode,
                            output_return_period=period)
@@ -1207,19 +810,19 @@ class Options(_OptionsGroup):
 
     def randomSeed(self, random_seed: int) -> "Options":
         """Seed of the random number generator of the model."""
-        _check_int("randomSeed", random_seed, minimum=0, below=2**64)
+        check_int("randomSeed", random_seed, minimum=0, below=2**64)
         return self._store("randomSeed", random_seed=random_seed)
 
     def connectionType(self, connection_type: ConnectionType) -> "Options":
         """When to attach to the device: ``Always`` (default), ``OnDemand``
         or ``Never`` (compile only; running raises)."""
-        _check_enum("connectionType", connection_type, ConnectionType)
+        check_enum("connectionType", connection_type, ConnectionType)
         return self._store("connectionType", connection_type=connection_type)
 
     def useIpuModel(self, use_model: bool) -> "Options":
         """Use the IPU Model instead of IPU hardware; takes precedence over
         ``POPTORCH_IPU_MODEL``."""
-        _check_bool("useIpuModel", use_model)
+        check_bool("useIpuModel", use_model)
         if use_model and self.offline_ipu_version is not None:
             raise Error("useIpuModel(True): the offline IPU target cannot be "
                         "used if the IPU model is enabled, and "
@@ -1228,15 +831,15 @@ class Options(_OptionsGroup):
 
     def useIpuId(self, ipu_id: int) -> "Options":
         """Use the IPU device with this id (as given by gc-info)."""
-        _check_int("useIpuId", ipu_id, minimum=0)
+        check_int("useIpuId", ipu_id, minimum=0)
         return self._store("useIpuId", ipu_id=ipu_id)
 
     def useOfflineIpuTarget(self, ipu_version: int = 2) -> "Options":
         """Target an offline IPU (1: Mk1, 2: Mk2, 21: Mk2 with FP8) for
         offline compilation only; sets ``connectionType(Never)``."""
         if isinstance(ipu_version, bool) or ipu_version not in _IPU_VERSIONS:
-            raise _invalid("useOfflineIpuTarget",
-                           "an IPU version in (1, 2, 21)", ipu_version)
+            raise invalid("useOfflineIpuTarget",
+                          "an IPU version in (1, 2, 21)", ipu_version)
         if self.use_ipu_model:
             raise Error("useOfflineIpuTarget: the offline IPU target cannot "
                         "be used if the IPU model is enabled (useIpuModel or "
@@ -1248,7 +851,7 @@ class Options(_OptionsGroup):
     def broadcastBuffers(self, broadcast_buffers: bool = True) -> "Options":
         """Broadcast buffers to all replicas; with False each replica keeps
         its own buffers."""
-        _check_bool("broadcastBuffers", broadcast_buffers)
+        check_bool("broadcastBuffers", broadcast_buffers)
         return self._store("broadcastBuffers",
                            broadcast_buffers=broadcast_buffers)
 
@@ -1259,14 +862,14 @@ class Options(_OptionsGroup):
         does."""
         if not isinstance(buffers, (list, tuple)) or not all(
                 isinstance(name, str) for name in buffers):
-            raise _invalid("updatableNamedBuffers", "a list of buffer names "
-                           "(str)", buffers)
+            raise invalid("updatableNamedBuffers", "a list of buffer names "
+                          "(str)", buffers)
         return self._store("updatableNamedBuffers",
                            updatable_named_buffers=list(buffers))
 
     def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> "Options":
         """Round the number of IPUs up to a power of 2 instead of raising."""
-        _check_bool("autoRoundNumIPUs", auto_round_num_ipus)
+        check_bool("autoRoundNumIPUs", auto_round_num_ipus)
         return self._store("autoRoundNumIPUs",
                            auto_round_num_ipus=auto_round_num_ipus)
 
@@ -1280,12 +883,12 @@ class Options(_OptionsGroup):
         """Split input batches between groups of ``input_group_size``
         replicas arranged as ``input_group_type`` (not
         ``CommGroupType.All``)."""
-        _check_int("inputReplicaGrouping input_group_size", input_group_size,
-                   minimum=1)
+        check_int("inputReplicaGrouping input_group_size", input_group_size,
+                  minimum=1)
         allowed = tuple(member for member in CommGroupType
                         if member != CommGroupType.All)
-        _check_enum("inputReplicaGrouping input_group_type", input_group_type,
-                    CommGroupType, allowed)
+        check_enum("inputReplicaGrouping input_group_type", input_group_type,
+                   CommGroupType, allowed)
         return self._store("inputReplicaGrouping",
                            input_group_size=input_group_size,
                            input_group_type=input_group_type)
@@ -1293,7 +896,7 @@ class Options(_OptionsGroup):
     def enableExecutableCaching(self, path: Optional[str]) -> "Options":
         """Directory used as a cache of compiled executables; None disables
         caching (also when ``POPTORCH_CACHE_DIR`` is set)."""
-        cache_dir = _path_or_none("enableExecutableCaching", path)
+        cache_dir = path_or_none("enableExecutableCaching", path)
         return self._store("enableExecutableCaching",
                            executable_cache_dir=cache_dir)
 
@@ -1308,15 +911,15 @@ class Options(_OptionsGroup):
         whole loop as one CUDA graph (no effect on the CPU)."""
         from ._impl.backends.selection import backend_choices
         if backend not in backend_choices():
-            raise _invalid("setBackend backend", "one of " + ", ".join(
+            raise invalid("setBackend backend", "one of " + ", ".join(
                 repr(choice) for choice in backend_choices()), backend)
-        _check_bool("setBackend cuda_graphs", cuda_graphs)
+        check_bool("setBackend cuda_graphs", cuda_graphs)
         return self._store("setBackend", backend=backend,
                            cuda_graphs=cuda_graphs)
 
     def showCompilationProgressBar(self, show: bool = True) -> "Options":
         """Show or hide a progress bar while compiling (shown by default)."""
-        _check_bool("showCompilationProgressBar", show)
+        check_bool("showCompilationProgressBar", show)
         return self._store("showCompilationProgressBar",
                            show_compilation_progress_bar=show)
 
@@ -1328,14 +931,14 @@ class Options(_OptionsGroup):
         """Replace the strings that exclude frames from source locations."""
         if not isinstance(excludes, (list, tuple)) or not all(
                 isinstance(item, str) for item in excludes):
-            raise _invalid("sourceLocationExcludes", "a list of str", excludes)
+            raise invalid("sourceLocationExcludes", "a list of str", excludes)
         return self._store("sourceLocationExcludes",
                            source_location_excludes=list(excludes))
 
     def appendToLocationExcludes(self, *excludes: str) -> "Options":
         """Append strings that exclude frames from source locations."""
         for exclude in excludes:
-            _check_str("appendToLocationExcludes", exclude)
+            check_str("appendToLocationExcludes", exclude)
         return self._store(
             "appendToLocationExcludes",
             source_location_excludes=self.source_location_excludes +
@@ -1344,7 +947,7 @@ class Options(_OptionsGroup):
     def relaxOptimizerAttributesChecks(self, relax: bool = True) -> "Options":
         """Report unexpected optimizer attributes in setOptimizer() as debug
         messages (True) instead of warnings."""
-        _check_bool("relaxOptimizerAttributesChecks", relax)
+        check_bool("relaxOptimizerAttributesChecks", relax)
         return self._store("relaxOptimizerAttributesChecks",
                            relax_optimizer_attributes_checks=relax)
 
@@ -1354,59 +957,59 @@ class Options(_OptionsGroup):
         """Anchor the tensor ``long_name`` so that it can be read back as
         ``short_name`` after a run; ``output_mode`` None uses the model's
         output mode."""
-        _check_str("anchorTensor short_name", short_name)
-        _check_str("anchorTensor long_name", long_name)
+        check_str("anchorTensor short_name", short_name)
+        check_str("anchorTensor long_name", long_name)
         if output_mode is not None:
-            _check_enum("anchorTensor output_mode", output_mode, OutputMode)
-        _check_int("anchorTensor output_return_period", output_return_period,
-                   minimum=1)
+            check_enum("anchorTensor output_mode", output_mode, OutputMode)
+        check_int("anchorTensor output_return_period", output_return_period,
+                  minimum=1)
         anchors = self.anchored_tensors
         anchors[short_name] = (long_name, output_mode, output_return_period)
         return self._store("anchorTensor", anchored_tensors=anchors)
 
     def modelName(self, name: str) -> "Options":
         """Name of the model (default 'inference' or 'training')."""
-        _check_str("modelName", name)
+        check_str("modelName", name)
         return self._store("modelName", model_name=name)
 
     def logDir(self, log_dir: str) -> "Options":
         """Directory where log files are saved."""
-        directory = _path_or_none("logDir", log_dir)
+        directory = path_or_none("logDir", log_dir)
         if directory is None:
-            raise _invalid("logDir", "a path (str or os.PathLike)", log_dir)
+            raise invalid("logDir", "a path (str or os.PathLike)", log_dir)
         return self._store("logDir", log_dir=directory)
 
     def maxRepeatLogs(self, max_lines: Optional[int]) -> "Options":
         """Suppress often-repeated log lines after ``max_lines`` lines; None
         shows them all (default 4)."""
         if max_lines is not None:
-            _check_int("maxRepeatLogs", max_lines, minimum=0)
+            check_int("maxRepeatLogs", max_lines, minimum=0)
         return self._store("maxRepeatLogs", max_repeat_logs=max_lines)
 
     def enableProfiling(self, profile_dir: Optional[str] = None) -> "Options":
         """Generate profiling reports in ``profile_dir`` (default: the
         current directory)."""
-        directory = _path_or_none("enableProfiling", profile_dir)
+        directory = path_or_none("enableProfiling", profile_dir)
         return self._store("enableProfiling", profile_dir=directory or ".")
 
     def logCycleCount(self, log_cycle_count: bool) -> "Options":
         """Log the number of IPU cycles used by the main graph."""
-        _check_bool("logCycleCount", log_cycle_count)
+        check_bool("logCycleCount", log_cycle_count)
         return self._store("logCycleCount", log_cycle_count=log_cycle_count)
 
     def enableStableNorm(self, enabled: bool) -> "Options":
         """Use the slower but more accurate stable norm operators."""
-        _check_bool("enableStableNorm", enabled)
+        check_bool("enableStableNorm", enabled)
         return self._store("enableStableNorm", stable_norm=enabled)
 
     def enableSyntheticData(self, enabled: bool) -> "Options":
         """Disable host I/O and generate random input data on the device."""
-        _check_bool("enableSyntheticData", enabled)
+        check_bool("enableSyntheticData", enabled)
         return self._store("enableSyntheticData", synthetic_data=enabled)
 
     def syncPattern(self, sync_pattern: SyncPattern) -> "Options":
         """Synchronisation between IPUs and the host."""
-        _check_enum("syncPattern", sync_pattern, SyncPattern)
+        check_enum("syncPattern", sync_pattern, SyncPattern)
         return self._store("syncPattern", sync_pattern=sync_pattern)
 
     def setAvailableMemoryProportion(
@@ -1415,16 +1018,16 @@ class Options(_OptionsGroup):
         with proportions between 0 and 1."""
         option = "setAvailableMemoryProportion"
         if not isinstance(available_memory_proportion, dict):
-            raise _invalid(option, 'a dict such as {"IPU0": 0.5}',
-                           available_memory_proportion)
+            raise invalid(option, 'a dict such as {"IPU0": 0.5}',
+                          available_memory_proportion)
         for ipu, proportion in available_memory_proportion.items():
             if not isinstance(ipu, str) or not _IPU_NAME.fullmatch(ipu):
-                raise _invalid(f"{option} key", '"IPU<n>" such as "IPU0"', ipu)
+                raise invalid(f"{option} key", '"IPU<n>" such as "IPU0"', ipu)
             if (isinstance(proportion, bool)
                     or not isinstance(proportion, (int, float))
                     or not 0.0 <= proportion <= 1.0):
-                raise _invalid(f"{option} value for {ipu}",
-                               "a float between 0 and 1", proportion)
+                raise invalid(f"{option} value for {ipu}",
+                              "a float between 0 and 1", proportion)
         return self._store(option, available_memory_proportion={
             ipu: float(proportion)
             for ipu, proportion in available_memory_proportion.items()})
@@ -1437,7 +1040,7 @@ class Options(_OptionsGroup):
         The file is parsed, never executed; if any line is rejected the
         options are left unchanged."""
         if self._frozen:
-            raise _frozen_error("loadFromFile")
+            raise frozen_error("loadFromFile")
         self._apply_atomically(
             config_file.read_config_file(filepath, _VOCABULARY))
         return self
@@ -1455,11 +1058,6 @@ class Options(_OptionsGroup):
     def clone(self) -> "Options":
         """An unfrozen deep copy of these options."""
         return copy.deepcopy(self)
-
-    def _freeze(self) -> None:
-        """Forbid changes from now on (called when the options are given to
-        a model or a DataLoader)."""
-        self._set_frozen(True)
 
 
 _PHASED_METHODS = frozenset({"setTensorsLiveness",

@@ -17,8 +17,10 @@ from poptorch.enums import (CommGroupType, ConnectionType,
                             OutputMode, ReductionType, SyncPattern)
 from poptorch.autocasting import Policy
 from poptorch.errors import Error
-from poptorch.options import (IMPLEMENTED, NO_EFFECT, OPTION_EFFECTS, STORED,
-                              ConfigFileError, Options, TensorLocationSettings)
+from poptorch._impl.options.effects import IMPLEMENTED, NO_EFFECT, STORED
+from poptorch._impl.options.groups import freeze
+from poptorch.options import (OPTION_EFFECTS, ConfigFileError, Options,
+                              TensorLocationSettings)
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "options.md"
 
@@ -428,7 +430,7 @@ def test_offline_target_rejected_when_ipu_model_env_is_set(monkeypatch):
 def test_every_setter_raises_once_frozen(path):
     opts = _with_stored_settings()
     before = opts.toDict()
-    opts._freeze()
+    freeze(opts)
     with pytest.raises(Error) as raised:
         _call(opts, path)
     message = str(raised.value)
@@ -443,7 +445,7 @@ def test_load_from_file_raises_once_frozen(tmp_path):
     config = tmp_path / "opts.conf"
     config.write_text("deviceIterations(2)\n")
     opts = Options()
-    opts._freeze()
+    freeze(opts)
     with pytest.raises(Error, match=r"loadFromFile\(\).*frozen"):
         opts.loadFromFile(config)
 
@@ -453,7 +455,7 @@ def test_load_from_file_raises_once_frozen(tmp_path):
                          ids=["clone", "deepcopy", "copy"])
 def test_copies_are_unfrozen_and_independent(make_copy):
     opts = _with_stored_settings().deviceIterations(4)
-    opts._freeze()
+    freeze(opts)
     duplicate = make_copy(opts)
     assert duplicate.toDict() == opts.toDict()
     duplicate.deviceIterations(8).Training.gradientAccumulation(2)

@@ -24,6 +24,7 @@ from .device_state import updatable_buffers
 from .devices import select_device
 from .lightning_logging import logged_output
 from .logger import logger
+from .options.groups import freeze
 from .optimizers import optimizer_state
 from .optimizers.global_attributes import GlobalAttributes
 from .optimizers.plan import (OptimizerPlan, check_same_structure,
@@ -48,9 +49,9 @@ class PoplarExecutor(CompiledExecutionMethods):
             raise Error(f"The model must be a torch.nn.Module, got "
                         f"{type(module).__name__}")
         _check_mode_options(options, training)
-        options._freeze()
+        freeze(options)
         self._options = options.clone()
-        self._options._freeze()
+        freeze(self._options)
         self._module = module
         self._training = training
         self._poptorch_version = poptorch_version

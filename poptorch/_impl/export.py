@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 from .._version import __version__
 from ..errors import Error
 from . import compile_session
+from .options.groups import copy_stored, set_stored
 from .signature import CallArguments, InputSignature, TensorLeaf, rebuild_call
 from .graph_format import GraphFormatError, serialize_graph
 
@@ -417,13 +418,12 @@ def merge_load_options(exported_options, edit_opts_fn, backend: str):
     from ..enums import ConnectionType
     options = exported_options.clone()
     options.connectionType(ConnectionType.Always)
-    options._values["offline_ipu_version"] = None
+    set_stored(options, offline_ipu_version=None)
     edited = options.clone()
     if edit_opts_fn is not None:
         edit_opts_fn(edited)
-    for name in compile_session.RUNTIME_OPTIONS:
-        if name in options._values:
-            options._values[name] = edited._values[name]
-    options._distributed = edited._distributed
-    options._values["backend"] = backend
+    copy_stored(options, edited, compile_session.RUNTIME_OPTIONS)
+    copy_stored(options.Distributed, edited.Distributed,
+                ("processId", "numProcesses"))
+    set_stored(options, backend=backend)
     return options

@@ -25,6 +25,7 @@ from ...errors import Error
 from ..batching import BatchLayout
 from ..distributed.environment import instances_per_replica
 from ..logger import info_once
+from ..options.groups import freeze
 from .async_accessor import AsynchronousDataAccessor
 from .partitioning import DistributedPartitionSampler, ProcessShareIterable
 
@@ -111,7 +112,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if mode != DataLoaderMode.Sync:
             self._accessor = _start_accessor(arguments, plan,
                                              accessor_options)
-        options._freeze()
+        freeze(options)
 
     @property
     def combinedBatchSize(self) -> Optional[int]:
