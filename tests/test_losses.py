@@ -1,4 +1,4 @@
-"""Loss discovery (semantics.md, "Losses in training")."""
+"""Loss discovery (docs/semantics.md, "Losses in training")."""
 import pytest
 import torch
 

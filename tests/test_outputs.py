@@ -1,4 +1,4 @@
-"""Output modes, shapes and structures (semantics.md, "What a call
+"""Output modes, shapes and structures (docs/semantics.md, "What a call
 returns")."""
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Training models compute the same weights as plain PyTorch doing the same
-D x G x R steps (semantics.md, "One call of a wrapped model")."""
+D x G x R steps (docs/semantics.md, "One call of a wrapped model")."""
 import copy
 import warnings
 
@@ -35,7 +35,7 @@ def test_weights_match_plain_pytorch_loop(mlp, twin, device_iterations,
 
 def test_sum_reduction_scales_like_lr(mlp):
     """Sum with G = 2 and lr 0.01 equals G = 1 with lr 0.02 on the mean of
-    the same micro-batch losses' gradients (semantics.md)."""
+    the same micro-batch losses' gradients (docs/semantics.md)."""
     twin = copy.deepcopy(mlp)
     x, y = make_data(8)
     opts = options(1, 2)

@@ -1,4 +1,4 @@
-"""Weights between host and device (semantics.md)."""
+"""Weights between host and device (docs/semantics.md)."""
 import copy
 import pickle
 

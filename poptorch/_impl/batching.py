@@ -1,4 +1,4 @@
-"""How one call's combined batch is cut into micro-batches (semantics.md).
+"""How one call's combined batch is cut into micro-batches (docs/semantics.md).
 
 Dimension 0 of every tensor argument holds D x G x R' micro-batches laid out
 as [D, G, R', S] (D = device iterations, G = gradient accumulation, R' =

@@ -1,6 +1,6 @@
 """The device loop: one call of a wrapped model runs all its D x G x R
-micro-batch steps here without returning to the user (semantics.md, "One call
-of a wrapped model").
+micro-batch steps here without returning to the user (docs/semantics.md,
+"One call of a wrapped model").
 
 Each replica step reads its own slice of the data; on the vectorised replica
 path (``replication.py``) one step covers all the replicas. Training sums

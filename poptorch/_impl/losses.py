@@ -1,4 +1,4 @@
-"""Loss discovery (semantics.md, "Losses in training").
+"""Loss discovery (docs/semantics.md, "Losses in training").
 
 While a training model is captured, every call of a torch loss function (the
 ``torch.nn.functional`` losses, which the ``torch.nn`` loss modules call) and

@@ -1,5 +1,5 @@
-"""Which outputs a call returns and in what shape (semantics.md, "What a call
-returns").
+"""Which outputs a call returns and in what shape (docs/semantics.md,
+"What a call returns").
 
 The device loop hands every micro-batch step's output tensors to an
 ``OutputCollector``; it keeps only what the ``OutputMode`` needs and combines

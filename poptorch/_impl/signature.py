@@ -1,5 +1,5 @@
 """The input signature a model is compiled for, and the check that every later
-call matches it (semantics.md: changing an argument's dtype, shape or
+call matches it (docs/semantics.md: changing an argument's dtype, shape or
 structure after compilation is an error naming the argument).
 
 Dict arguments are flattened by key, as PopTorch flattens them: a later call

@@ -1,5 +1,6 @@
 """The pure training step: forward, loss, backward (``torch.autograd.grad``
-traced into the graph), gradient reduction and the optimizer's update, built for capture by ``capture.trace``.
+traced into the graph), gradient reduction and the optimizer's update,
+built for capture by ``capture.trace``.
 
 Flat inputs, in order: trainable parameters (those the optimizer updates and
 the final loss depends on), the other parameters, buffers, optimizer state
@@ -16,7 +17,7 @@ state (``names.py``), which the update step computes.
 
 The gradients of the G x R micro-batches of one optimizer step are combined
 in a buffer of the optimizer's ``accum_type`` and reduced per
-``ReductionType`` and ``MeanReductionStrategy`` (semantics.md;
+``ReductionType`` and ``MeanReductionStrategy`` (docs/semantics.md;
 ``optimizers/gradient_reduction.py``); loss scaling, automatic loss scaling
 and clipping are in ``optimizers/global_attributes.py``.
 """

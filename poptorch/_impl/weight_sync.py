@@ -1,5 +1,5 @@
 """Keeping the user's module (the host copy) and the models' device copies in
-step (semantics.md, "Weights between host and device").
+step (docs/semantics.md, "Weights between host and device").
 
 Wrapping a module attaches a ``ModuleSync`` to it and swaps its class, and
 the classes of all its sub-modules, for subclasses whose calls and parameter
@@ -184,9 +184,9 @@ def _hooked_class(original: type) -> type:
     return hooked
 
 
-_READ_METHODS = ("__call__", "parameters", "named_parameters", "buffers", "named_buffers",
-                 "state_dict", "modules", "named_modules", "children",
-                 "named_children", "_apply")
+_READ_METHODS = ("__call__", "parameters", "named_parameters", "buffers",
+                 "named_buffers", "state_dict", "modules", "named_modules",
+                 "children", "named_children", "_apply")
 
 
 def _before_read(module: torch.nn.Module) -> None:

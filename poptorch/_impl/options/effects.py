@@ -49,7 +49,7 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         IMPLEMENTED, "Never allows compiling but running raises; Always and "
         "OnDemand behave alike because the device is always available"),
     "deviceIterations": Effect(
-        IMPLEMENTED, "each call runs this many steps (semantics.md)"),
+        IMPLEMENTED, "each call runs this many steps (docs/semantics.md)"),
     "disableModuleNamescope": Effect(
         IMPLEMENTED, "tensor names (getTensorNames, anchorTensor) leave out "
         "module paths"),
@@ -87,7 +87,7 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         "setOptimizer() are logged at DEBUG instead of warned about once"),
     "replicationFactor": Effect(
         IMPLEMENTED, "each replica processes its slice of every call's data "
-        "(semantics.md); the replicas of a step run as one vectorised "
+        "(docs/semantics.md); the replicas of a step run as one vectorised "
         "computation"),
     "setAvailableMemoryProportion": Effect(
         NO_EFFECT, "IPU tile memory budgets do not exist; PyTorch chooses "

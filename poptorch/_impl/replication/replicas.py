@@ -1,4 +1,4 @@
-"""How the R replicas of one process run (semantics.md, "Replication").
+"""How the R replicas of one process run (docs/semantics.md, "Replication").
 
 Each replica holds the same weights (or its group's value of a grouped
 weight, ``replica_grouping.py``), reads its own slice of every call's data
