@@ -1,6 +1,6 @@
 """Model parallelism: throughput and activation memory of multi-stage models
 (blocks placed with ``poptorch.Block`` and an execution strategy), each
-stage a separate partition (``_impl/staged_execution.py``), in one process,
+stage a separate partition (``_impl/staging/staged_execution.py``), in one process,
 and a 2-stage pipeline over 2 processes.
 
 1. Throughput. An MLP of K blocks (each two Linear + ReLU of width W)
@@ -44,7 +44,7 @@ and a 2-stage pipeline over 2 processes.
      backward runs and are not counted; nor are temporaries (gradients,
      outputs not saved).
    * a stage with checkpoints runs each of its segments under
-     ``torch.utils.checkpoint`` (``stages.py``), so only the stage's inputs
+     ``torch.utils.checkpoint`` (``staging/stages.py``), so only the stage's inputs
      and the checkpointed tensors are kept; the rest is recomputed in the
      backward pass.
    * the single-graph path (``trainingModel`` of an unannotated model)

@@ -1,4 +1,4 @@
-"""Attention on the vectorised replica path (``replica_attention.py``):
+"""Attention on the vectorised replica path (``replication/attention.py``):
 the replicas' attention is one batched computation (no per-replica loop,
 no warning from vmap), with the results of plain PyTorch."""
 import copy

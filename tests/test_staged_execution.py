@@ -1,5 +1,5 @@
 """Models whose blocks form several stages run as separate stage partitions
-(``staged_execution.py``): with every execution strategy they train and infer
+(``staging/staged_execution.py``): with every execution strategy they train and infer
 like plain PyTorch over the same micro-batches, recomputation checkpoints cut
 a stage into segments that keep fewer tensors for the backward pass, and what
 several stages cannot run yet is an error at compilation."""

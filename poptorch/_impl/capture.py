@@ -126,9 +126,9 @@ def _remove_detaches(graph: torch.fx.Graph) -> None:
 class ModelCall:
     """How flat tensors become a call of the user's module; operations
     mixing float16 and float32 tensors compute in ``mixed_dtype``
-    (``half_casting.py``), and where automatic casting is enabled
+    (``precision/half_casting.py``), and where automatic casting is enabled
     operations are typed by ``autocast_policy`` (None when
-    ``Precision.autocastEnabled(False)``; ``automatic_casting.py``)."""
+    ``Precision.autocastEnabled(False)``; ``precision/automatic_casting.py``)."""
     module: torch.nn.Module
     param_names: List[str]
     buffer_names: List[str]

@@ -2,10 +2,10 @@
 the executable cache, executables read from an exported file, anchored
 tensors, the progress bar and source locations of capture errors.
 
-The executor opens a session around capture and compilation and hands it
-each captured graph (``graph``, which adds anchored tensors to its outputs)
-and each graph to compile (``compile``). The session keeps the graphs and
-their executable keys for export (``serialization/export.py``).
+The executor opens a session around capture and compilation; the compiled
+model and its engine hand it each captured graph (``graph``, which adds
+anchored tensors to its outputs) and each graph to compile (``compile``). The session keeps the graphs and
+their executable keys for export (``export.py``).
 """
 import contextlib
 import dataclasses

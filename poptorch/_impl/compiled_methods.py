@@ -3,7 +3,7 @@
 tensor names and anchored tensors, and the timings of the last call.
 
 ``PoplarExecutor`` inherits them; they work on its compiled model
-(``compiled_model.py``) through ``serialization/export.py``, ``names.py``
+(``compiled_model.py``) through ``export.py``, ``names.py``
 and ``perf_counters.py``.
 """
 from typing import Dict, List, Tuple

@@ -12,7 +12,7 @@ call that fails half way is rolled back whole (``failed_calls.py``).
 
 The compiled model owns the compiled state; ``PoplarExecutor`` holds one
 and keeps PopTorch's methods, and the modules that save, load or link that
-state (``serialization/``, ``optimizers/device_state.py``) use the public
+state (``export.py``, ``optimizers/optimizer_state.py``) use the public
 attributes and methods here.
 """
 import dataclasses

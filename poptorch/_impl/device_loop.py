@@ -3,7 +3,7 @@ micro-batch steps here without returning to the user (docs/semantics.md,
 "One call of a wrapped model").
 
 Each replica step reads its own slice of the data; on the vectorised replica
-path (``replication.py``) one step covers all the replicas. Training sums
+path (``replication/replicas.py``) one step covers all the replicas. Training sums
 the gradients of the G x R micro-batches of a step in a running sum, the
 same tensors every step, zeroed at its start (with one micro-batch per
 step, which some backends also give a buffer, the step writes it), and

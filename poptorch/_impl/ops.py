@@ -253,7 +253,7 @@ def recomputationCheckpoint(*tensors: torch.Tensor
     """Mark values to keep between the forward and backward passes: in the
     training of a model whose blocks form several stages, the rest of each
     stage's activations are recomputed in the backward pass
-    (``_impl/stages.py``).
+    (``_impl/staging/stages.py``).
 
     Returns the tensors (the same number and shapes): a tensor for a single
     tensor argument, else a list. Each goes through the op

@@ -303,7 +303,7 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     """Trace one micro-batch step; ``update`` selects the optimizer-step
     variant, ``accumulated`` whether a running gradient sum is an input.
     ``forward(params, buffers, inputs)`` replaces ``micro_batch_forward``
-    (replicas run it vectorised, see ``replication.py``), and
+    (replicas run it vectorised, see ``replication/replicas.py``), and
     ``combine_losses`` turns the losses it returns (one per replica) into
     the value the backward pass starts from;
     ``reduce_gradients(grads)`` combines the step's gradients with other
@@ -439,7 +439,7 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
                       reduce_gradients: Optional[Callable] = None
                       ) -> torch.fx.GraphModule:
     """The optimizer step alone, for gradients computed outside the graph
-    (multi-stage models, ``staged_execution.py``):
+    (multi-stage models, ``staging/staged_execution.py``):
     (trainable, summed gradients, state, hyper) -> (new trainable, new
     state). The gradients are those of the scaled loss combined over the
     step's micro-batches as the running gradient buffer combines them (a

@@ -1,7 +1,7 @@
 """Linear layers as one ``addmm``.
 
 A linear layer traced on a batch of matrices (as the vectorised replica
-path traces it under ``torch.func.vmap``, ``replication.py``) becomes a
+path traces it under ``torch.func.vmap``, ``replication/replicas.py``) becomes a
 matrix product of the flattened rows, a view back to the batch shape, and
 a separate addition of the bias scaled by ``beta = 1``::
 

@@ -6,11 +6,11 @@ hands the pieces to one engine, which compiles them and runs every call:
 * ``SingleGraphEngine`` (``single_graph.py``): the whole model as one
   captured step per micro-batch, run by the device loop
   (``device_loop.py``) over the call's D x G x R micro-batches, replicas
-  vectorised or one after another (``replication.py``), optionally
+  vectorised or one after another (``replication/replicas.py``), optionally
   replayed as one CUDA graph per call;
 * ``StagedEngine`` (``staged.py``): a model whose blocks form several
   stages, each a separate partition run in the execution strategy's order
-  (``staged_execution.py``), with one captured optimizer step per
+  (``staging/staged_execution.py``), with one captured optimizer step per
   G x R micro-batches.
 
 Both read and replace the same device state (``DeviceState``: weights,

@@ -1,7 +1,7 @@
 """The staged engine: a model whose blocks form several stages, each stage a
 separate partition of the captured forward graph run in the execution
 strategy's order, with one captured optimizer step per G x R micro-batches
-(``staged_execution.py``; ``docs/model_parallel.md``).
+(``staging/staged_execution.py``; ``docs/model_parallel.md``).
 
 The forward graph is captured once more (``stages.trace_forward``), with the
 anchored tensors as extra outputs, and cut by stage

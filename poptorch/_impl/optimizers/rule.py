@@ -4,9 +4,9 @@ families share.
 A training step is traced once into a static graph and run many times, so an
 update rule is a pure function of tensors: it never reads a tensor value in
 Python, never mutates its inputs and keeps no state between calls. Per-group
-hyper-parameters arrive as 0-d float32 tensors (changing them needs no
-re-trace); structural choices are Python constants fixed when the rule is
-built. Updates use the out-of-place ``torch._foreach_*`` ops over a group's
+hyper-parameters arrive as 0-d tensors, float64 in training models
+(changing them needs no re-trace); structural choices are Python constants
+fixed when the rule is built. Updates use the out-of-place ``torch._foreach_*`` ops over a group's
 tensor lists, so a group's update is a handful of graph nodes.
 
 All tensors of one group (parameters, gradients, state) live on one device;

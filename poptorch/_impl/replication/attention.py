@@ -1,5 +1,5 @@
 """Scaled dot-product attention on the vectorised replica path
-(``replication.py``).
+(``replicas.py``).
 
 Under ``torch.func.vmap`` PyTorch has no batching rule for its fused CPU
 attention kernel (``_scaled_dot_product_flash_attention_for_cpu``): it

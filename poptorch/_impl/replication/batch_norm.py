@@ -1,6 +1,6 @@
 """BatchNorm in training over vectorised replicas, without copies.
 
-Under ``torch.func.vmap`` (the vectorised replica path, ``replication.py``)
+Under ``torch.func.vmap`` (the vectorised replica path, ``replicas.py``)
 PyTorch's batching rule for batch norm moves the replica dimension next to
 the channels, [R, S, C, ...] -> [S, R x C, ...], which copies the
 activations, and applies the affine weight as separate multiplications, in

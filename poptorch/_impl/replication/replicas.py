@@ -1,23 +1,23 @@
 """How the R replicas of one process run (docs/semantics.md, "Replication").
 
 Each replica holds the same weights (or its group's value of a grouped
-weight, ``replica_grouping.py``), reads its own slice of every call's data
+weight, ``grouping.py``), reads its own slice of every call's data
 and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
 
 * single: R = 1 and no grouped weight; the step runs as captured.
 * vectorised (the default for R > 1): each step runs all replicas as ONE
   computation. The R micro-batches are stacked into one [R, S, ...] batch
   and the model's forward pass runs once under ``torch.func.vmap`` over the
-  replica dimension; the backward pass starts from the sum of the replicas'
-  losses. vmap's batching rules merge the replica dimension into the batch
+  replica dimension; the backward pass starts from the replicas' losses
+  combined (see below). vmap's batching rules merge the replica dimension into the batch
   dimension of matrix multiplications and convolutions, so a model without
   ops that couple samples runs as one batch of R x S samples, and
   reductions over the batch stay per replica: each replica's loss (a
   mean-reduced loss is the mean over its own S samples), BatchNorm
   statistics and outputs are exactly those of a replica run on its own
   (BatchNorm in training runs each replica's slice through PyTorch's kernel
-  without the batching rule's copies, ``replica_batch_norm.py``; CPU
-  attention runs as operations vmap batches, ``replica_attention.py``).
+  without the batching rule's copies, ``batch_norm.py``; CPU
+  attention runs as operations vmap batches, ``attention.py``).
   The backward pass starts from the replicas' mean loss for
   ``ReductionType.Mean`` (their sum for ``Sum``), so the step is one
   micro-batch of the G in an optimizer step (``step_replicas``): since the
