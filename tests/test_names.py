@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import (ClassifierMLP, assert_same_weights, make_data, options,
                       reference_training)
 
@@ -392,3 +393,28 @@ def test_parameter_names_of_a_multi_stage_model_are_an_error():
                        "a model whose blocks form several stages has no "
                        "names of parameters, gradients or optimizer state"):
         model(torch.randn(4, 4))
+
+
+class DeepMLP(torch.nn.Module):
+    def __init__(self, layers=40):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            *[torch.nn.Linear(4, 4) for _ in range(layers)])
+
+    def forward(self, x, y):
+        out = self.layers(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_named_tensors_survive_a_deep_copy_of_the_step():
+    """Compilers (Inductor) deep-copy a captured step with its metadata: the
+    names it records must not hold the graph's nodes, whose deep copy
+    recurses through the whole graph."""
+    net = DeepMLP()
+    model = poptorch.trainingModel(net, options(),
+                                   torch.optim.SGD(net.parameters(), lr=0.1))
+    model(torch.randn(2, 4), torch.tensor([0, 1]))
+    graph = compiled_model(model).session.graphs["update"]
+    copied = copy.deepcopy(graph)
+    assert copied.meta == graph.meta
+    assert "Gradient___layers.0.weight" in model.getTensorNames()

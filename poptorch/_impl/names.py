@@ -110,8 +110,23 @@ def mark_named_tensors(graph: torch.fx.GraphModule,
                        named: Dict[str, Optional[torch.fx.Node]]) -> None:
     """Record the parameter, gradient and optimizer-state names of a
     captured step (``None``: a name the model has that this step does not
-    compute)."""
-    graph.meta[NAMED_TENSORS_KEY] = dict(named)
+    compute). The graph's metadata keeps the nodes' names, not the nodes:
+    compilers deep-copy graphs with their metadata."""
+    graph.meta[NAMED_TENSORS_KEY] = {
+        name: None if node is None else node.name
+        for name, node in named.items()}
+
+
+def named_tensors(graph: torch.fx.GraphModule
+                  ) -> Optional[Dict[str, Optional[torch.fx.Node]]]:
+    """The nodes ``mark_named_tensors`` named in ``graph``, None when it
+    named none."""
+    named = graph.meta.get(NAMED_TENSORS_KEY)
+    if named is None:
+        return None
+    nodes = {node.name: node for node in graph.graph.nodes}
+    return {name: None if node is None else nodes[node]
+            for name, node in named.items()}
 
 
 def mark_parameters(graph: torch.fx.GraphModule,
@@ -185,8 +200,7 @@ def tensor_names(graph: torch.fx.GraphModule,
     ``graph`` has, then of every tensor an operation of ``graph``
     produces, in the order the operations run."""
     names = {name: node for name, node in
-             graph.meta.get(NAMED_TENSORS_KEY, {}).items()
-             if node is not None}
+             (named_tensors(graph) or {}).items() if node is not None}
     of_node: Dict[torch.fx.Node, str] = {}
     used: Set[str] = set(names)
     for node in graph.graph.nodes:
@@ -240,7 +254,7 @@ class Anchors:
         if not self.anchored:
             return graph
         names = tensor_names(graph, self.module_namescope)
-        named = graph.meta.get(NAMED_TENSORS_KEY)
+        named = named_tensors(graph)
         nodes, per_update = [], []
         for short, (long_name, _, _) in self.anchored.items():
             if named is not None and long_name in named:
