@@ -8,6 +8,7 @@ Run by hand: ``.venv/bin/python benchmarks/loop_overhead.py``.
 import argparse
 import copy
 import platform
+from typing import Optional
 
 import torch
 from timing import interleaved_medians
@@ -63,13 +64,17 @@ def eager_pass(model, x, y, micro_batch: int):
 
 
 def poptorch_pass(model, x, y, iterations: int, micro_batch: int,
-                  floating_point_exceptions: bool = False):
+                  floating_point_exceptions: bool = False,
+                  profile_dir: Optional[str] = None):
     """One pass over the same data through a training model with
     ``iterations`` device iterations per call (checking every step's values
-    with ``floating_point_exceptions``)."""
+    with ``floating_point_exceptions``; profiled into ``profile_dir`` when
+    given)."""
     opts = poptorch.Options().deviceIterations(iterations)
     opts.showCompilationProgressBar(False)
     opts.Precision.enableFloatingPointExceptions(floating_point_exceptions)
+    if profile_dir is not None:
+        opts.enableProfiling(profile_dir)
     training = poptorch.trainingModel(
         model, opts,
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))

@@ -594,7 +594,7 @@ class Options(OptionsGroup):
         "relax_optimizer_attributes_checks": False,
         "anchored_tensors": {},
         "model_name": None,
-        "log_dir": ".",
+        "log_dir": None,
         "max_repeat_logs": 4,
         "profile_dir": None,
         "log_cycle_count": False,
@@ -712,7 +712,8 @@ class Options(OptionsGroup):
         "model_name", "Name of the model, or None (default: 'inference' or "
         "'training').")
     log_dir = read_only(
-        "log_dir", "Directory for log files (default: current directory).")
+        "log_dir", "Directory of the poptorch log file, or None: no log "
+        "file, messages go to the console only (default).")
     max_repeat_logs = read_only(
         "max_repeat_logs", "Repeated log lines shown before suppression, or "
         "None for all (default 4).")
@@ -968,20 +969,28 @@ class Options(OptionsGroup):
         return self._store("anchorTensor", anchored_tensors=anchors)
 
     def modelName(self, name: str) -> "Options":
-        """Name of the model (default 'inference' or 'training')."""
+        """Name of the model (default 'inference' or 'training'): names the
+        model's executable-cache entries (the cache's ``index.json``)."""
         check_str("modelName", name)
         return self._store("modelName", model_name=name)
 
     def logDir(self, log_dir: str) -> "Options":
-        """Directory where log files are saved."""
+        """Directory where PopTorch saves its log file (created if missing):
+        from the creation of a model with these options, the ``poptorch``
+        logger also writes to ``log_dir/poptorch.log``
+        (``poptorch.rank<R>.log`` in process R of a multi-process run).
+        Without logDir, messages go to the console only."""
         directory = path_or_none("logDir", log_dir)
         if directory is None:
             raise invalid("logDir", "a path (str or os.PathLike)", log_dir)
         return self._store("logDir", log_dir=directory)
 
     def maxRepeatLogs(self, max_lines: Optional[int]) -> "Options":
-        """Suppress often-repeated log lines after ``max_lines`` lines; None
-        shows them all (default 4)."""
+        """For often-repeated log lines, the number of repeats logged before
+        they are suppressed (default 4); None shows them all. From the
+        creation of a model with these options, at most ``max_lines``
+        consecutive messages of one template are logged, then one line says
+        how many were suppressed."""
         if max_lines is not None:
             check_int("maxRepeatLogs", max_lines, minimum=0)
         return self._store("maxRepeatLogs", max_repeat_logs=max_lines)

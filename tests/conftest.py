@@ -170,8 +170,9 @@ def options(device_iterations=1, accumulation=1, replicas=1, **extra):
 @pytest.fixture
 def poptorch_log(caplog, monkeypatch):
     """INFO records of the poptorch logger (which does not propagate), with
-    the log-once memory emptied."""
+    the log-once memory emptied and a new run of repeats (maxRepeatLogs)."""
     monkeypatch.setattr(logger_module, "_said_once", set())
+    logger_module.repeat_limit.end_run()
     caplog.set_level(logging.INFO, logger="poptorch")
     logger_module.logger.addHandler(caplog.handler)
     yield caplog

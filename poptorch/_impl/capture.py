@@ -36,6 +36,7 @@ from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
 from .precision.automatic_casting import AutomaticCasting, Policy
 from .precision.half_casting import MixedPrecisionCasting
 from .names import module_scopes
+from .profiling.ranges import profile_range
 from .recurrent_layers import RecurrentLayersWithoutOneDnn
 from .signature import flattenable
 from .sparse_gradients import use_dense_gradients
@@ -103,7 +104,8 @@ def trace(fn: Callable, example_inputs: Sequence[torch.Tensor],
                                static_shapes=True)
     fake_inputs = [fake_mode.from_tensor(t) for t in example_inputs]
     # Active around make_fx, the mode is the trace's even without inputs.
-    with tracing_context.fake_tracing(), fake_mode:
+    with profile_range("capture"), tracing_context.fake_tracing(), \
+            fake_mode:
         graph_module = make_fx(fn, tracing_mode="fake")(*fake_inputs)
     if not keep_detaches:
         _remove_detaches(graph_module.graph)

@@ -22,6 +22,8 @@ from .backends.selection import ENVIRONMENT_VARIABLE, select_backend
 from .devices import select_device
 from .executable_cache import ExecutableCache, compile_cached, executable_key
 from .names import Anchors
+from .options.effects import model_name
+from .profiling.ranges import profile_range
 from .graph_format import serialize_graph
 
 #: Options left out of the executable key: those that do not change the
@@ -94,7 +96,9 @@ class CompileSession:
                                       ENVIRONMENT_VARIABLE)
         self.options = compile_time_options(options)
         cache_dir = options.executable_cache_dir
-        self.cache = ExecutableCache(cache_dir) if cache_dir else None
+        self.cache = (ExecutableCache(cache_dir,
+                                      model_name(options, training))
+                      if cache_dir else None)
         self.anchors = Anchors(
             options.anchored_tensors, options.module_namescope,
             options.Training.gradient_accumulation if training else 1)
@@ -125,19 +129,24 @@ class CompileSession:
         """The backend's compiled form of ``graph`` (from the exported file
         or the executable cache when they hold it); ``donation``: the
         inputs the device loop drops after each step."""
-        example_inputs = _example_inputs(graph)
-        if self.precompiled is not None:
-            step = self._precompiled_step(name, graph, example_inputs,
-                                          donation)
-        elif self.cache is not None and self.backend.keeps_executables:
-            step = compile_cached(self.cache, self.backend, graph,
-                                  example_inputs, self.key(name), donation)
-        else:
-            step = self.backend.compile(graph, example_inputs, donation)
+        with profile_range("backend compile"):
+            step = self._compiled_step(name, graph, donation)
         self.steps[name] = step
         self._progress.advance(f"compiled the {name} step "
                                f"({self.backend.name})")
         return step
+
+    def _compiled_step(self, name: str, graph: torch.fx.GraphModule,
+                       donation: Optional[Donation]) -> CompiledStep:
+        example_inputs = _example_inputs(graph)
+        if self.precompiled is not None:
+            return self._precompiled_step(name, graph, example_inputs,
+                                          donation)
+        if self.cache is not None and self.backend.keeps_executables:
+            return compile_cached(self.cache, self.backend, graph,
+                                  example_inputs, self.key(name), donation,
+                                  step=name)
+        return self.backend.compile(graph, example_inputs, donation)
 
     def record(self, name: str, graph: torch.fx.GraphModule) -> None:
         """Keep ``graph``, a step that runs as captured rather than
@@ -177,7 +186,8 @@ class CompileSession:
         stored = self._stored_step(name, graph)
         if stored.executable is None:
             return compile_cached(self.cache, self.backend, graph,
-                                  example_inputs, stored.key, donation)
+                                  example_inputs, stored.key, donation,
+                                  step=name)
         directory = self.cache.backend_directory if self.cache else None
         with self.backend.storage(directory):
             return self.backend.deserialize(stored.executable)

@@ -45,6 +45,7 @@ from .optimizers.state_location import OptimizerStateLocation
 from .outputs import (OutputCollector, as_training_outputs,
                       check_return_period, resolve_output_mode)
 from .perf_counters import CallTimer
+from .profiling.ranges import profile_range
 from .rng import ModelRng
 from .signature import CallArguments, InputSignature
 from .training_step import StepSettings, TrainingLayout
@@ -121,7 +122,8 @@ class CompiledModel:
         with weight_sync.host_reads_suspended():
             sets = buffer_sets(spec.options, spec.training, module,
                                spec.training_flags)
-            state = DeviceState(module, device, sets)
+            with profile_range("weight upload"):
+                state = DeviceState(module, device, sets)
             grouped = grouping.collect(module, state.param_names,
                                                layout.replicas)
         grouped.check_rows(state.params)
@@ -163,10 +165,11 @@ class CompiledModel:
         layout = self.layout
         timer = CallTimer(len(host_inputs), layout.device_iterations,
                           layout.gradient_accumulation)
-        device_inputs = [t.to(self.state.device,
-                              non_blocking=True).contiguous()
-                         for t in host_inputs]
-        split = [layout.split(t) for t in device_inputs]
+        with profile_range("host to device"):
+            device_inputs = [t.to(self.state.device,
+                                  non_blocking=True).contiguous()
+                             for t in host_inputs]
+            split = [layout.split(t) for t in device_inputs]
         timer.inputs_transferred()
         outputs = self._rolled_back_on_failure(split, timer, progress)
         with torch.no_grad():
@@ -292,8 +295,9 @@ class CompiledModel:
     def shape_outputs(self, tensors: List[torch.Tensor]):
         """The call's output tensors on the host, in the structure
         ``forward`` returned."""
-        host = [t.to("cpu") if t.device.type != "cpu" else t
-                for t in tensors]
+        with profile_range("device to host"):
+            host = [t.to("cpu") if t.device.type != "cpu" else t
+                    for t in tensors]
         if self.spec.training:
             host = as_training_outputs(host)
         else:

@@ -20,6 +20,14 @@ from .batching import BatchLayout, micro_batch
 from .failed_calls import CallProgress
 from .floating_point_checks import StepFlags
 from .outputs import OutputCollector
+from .profiling.ranges import profile_range
+
+#: Range names on the timeline (docs/profiling.md): a device iteration, a
+#: micro-batch step, and the step of an optimizer step's last micro-batch,
+#: which applies the update in the same graph.
+ITERATION = "device iteration"
+STEP = "step"
+UPDATE_STEP = "step + optimizer update"
 
 
 @dataclasses.dataclass
@@ -52,16 +60,19 @@ def run_inference(steps: InferenceSteps, params: List[torch.Tensor],
                   flags: Optional[StepFlags] = None) -> None:
     written = len(steps.written_buffers)
     for iteration in range(layout.device_iterations):
-        for replica in range(layout.replicas):
-            progress.step(iteration, 0, replica)
-            buffers = buffer_sets[replica % len(buffer_sets)]
-            micro = micro_batch(inputs, iteration, 0,
-                                layout.data_index(replica))
-            result = steps.step(*params, *buffers, *micro)
-            _store_buffers(buffers, steps.written_buffers, result[:written])
-            if flags is not None:
-                flags.add_outputs(progress.position, result[written:])
-            collector.add(iteration, replica, result[written:])
+        with profile_range(ITERATION):
+            for replica in range(layout.replicas):
+                progress.step(iteration, 0, replica)
+                buffers = buffer_sets[replica % len(buffer_sets)]
+                micro = micro_batch(inputs, iteration, 0,
+                                    layout.data_index(replica))
+                with profile_range(STEP):
+                    result = steps.step(*params, *buffers, *micro)
+                _store_buffers(buffers, steps.written_buffers,
+                               result[:written])
+                if flags is not None:
+                    flags.add_outputs(progress.position, result[written:])
+                collector.add(iteration, replica, result[written:])
 
 
 @dataclasses.dataclass
@@ -78,39 +89,52 @@ def run_training(steps: TrainingSteps, state: TrainingState,
                  inputs: List[torch.Tensor], layout: BatchLayout,
                  collector: OutputCollector, progress: CallProgress,
                  flags: Optional[StepFlags] = None) -> None:
+    for iteration in range(layout.device_iterations):
+        with profile_range(ITERATION):
+            _training_iteration(steps, state, inputs, layout, collector,
+                                progress, flags, iteration)
+
+
+def _training_iteration(steps: TrainingSteps, state: TrainingState,
+                        inputs: List[torch.Tensor], layout: BatchLayout,
+                        collector: OutputCollector, progress: CallProgress,
+                        flags: Optional[StepFlags], iteration: int) -> None:
+    """One device iteration: the G x R micro-batch steps of one optimizer
+    step."""
     accumulation = layout.gradient_accumulation
     replicas = layout.replicas
     written = len(steps.written_buffers)
     trained = len(state.trainable)
     flagged = int(steps.finite_checks)
-    for iteration in range(layout.device_iterations):
-        running = steps.running
-        if steps.accumulate is not None and running:
-            torch._foreach_zero_(running)
-        for step in range(accumulation):
-            for replica in range(replicas):
-                progress.step(iteration, step, replica)
-                buffers = state.buffer_sets[replica % len(state.buffer_sets)]
-                micro = micro_batch(inputs, iteration, step,
-                                    layout.data_index(replica))
-                head = state.trainable + state.frozen + buffers
-                last = step == accumulation - 1 and replica == replicas - 1
-                if not last:
+    running = steps.running
+    if steps.accumulate is not None and running:
+        torch._foreach_zero_(running)
+    for step in range(accumulation):
+        for replica in range(replicas):
+            progress.step(iteration, step, replica)
+            buffers = state.buffer_sets[replica % len(state.buffer_sets)]
+            micro = micro_batch(inputs, iteration, step,
+                                layout.data_index(replica))
+            head = state.trainable + state.frozen + buffers
+            last = step == accumulation - 1 and replica == replicas - 1
+            if not last:
+                with profile_range(STEP):
                     result = steps.accumulate(*head, *state.optimizer,
                                               *state.hyper, *running, *micro)
-                    _store_buffers(buffers, steps.written_buffers,
-                                   result[:written])
-                    end = written + len(steps.running)
-                    running = result[written:end]
-                else:
+                _store_buffers(buffers, steps.written_buffers,
+                               result[:written])
+                end = written + len(steps.running)
+                running = result[written:end]
+            else:
+                with profile_range(UPDATE_STEP):
                     result = steps.update(*head, *state.optimizer,
                                           *state.hyper, *running, *micro)
-                    state.trainable = list(result[:trained])
-                    _store_buffers(buffers, steps.written_buffers,
-                                   result[trained:trained + written])
-                    end = trained + written + len(state.optimizer)
-                    state.optimizer = list(result[trained + written:end])
-                if flagged:
-                    flags.add(progress.position, result[end])
-                collector.add(iteration * accumulation + step, replica,
-                              result[end + flagged:])
+                state.trainable = list(result[:trained])
+                _store_buffers(buffers, steps.written_buffers,
+                               result[trained:trained + written])
+                end = trained + written + len(state.optimizer)
+                state.optimizer = list(result[trained + written:end])
+            if flagged:
+                flags.add(progress.position, result[end])
+            collector.add(iteration * accumulation + step, replica,
+                          result[end + flagged:])

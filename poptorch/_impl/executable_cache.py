@@ -12,22 +12,35 @@ and, for CUDA, the GPU's name and compute capability). A later
 compilation of the same step, in this process or another, loads it instead
 of compiling.
 
+The model's name (``Options.modelName``, default ``"inference"`` or
+``"training"``) is not part of the key: models of different names share
+entries. The index names them: ``index.json`` maps each model name to the
+entries its steps wrote or loaded, so that a model's entries can be found.
+
 Layout of the directory::
 
     <key>.pexe     one compiled step: a header line of JSON (format, key,
-                   versions, payload size and SHA-256), then the payload
-                   (the backend's serialized executable)
+                   versions, payload size and SHA-256, the name of the model
+                   and of the step that wrote it), then the payload (the
+                   backend's serialized executable)
+    index.json     {model name: {entry file: step name}}, e.g.
+                   {"net": {"<key>.pexe": "update"}}
+    .index.lock    taken (flock) while a process updates the index
     inductor/      Inductor's own cache (compiled kernels), kept here so
                    that the cache is complete in one directory
 
-Entries are written to a temporary file and renamed, so a reader never sees
-a partial entry. An entry that cannot be read (truncated, corrupted,
+Entries and the index are written to a temporary file and renamed, so a
+reader never sees a partial one; a process updates the index under the lock,
+merging its entries into the index it reads, so concurrent processes lose
+none. An index that cannot be read is started again (a warning); failing to
+update it only warns. An entry that cannot be read (truncated, corrupted,
 checksum mismatch, written by another version, or refused by the backend)
 logs a warning and is compiled again and replaced; it never stops the
 compilation. PopTorch never deletes entries: remove the directory to clear
 it. Entries hold compiled code, so use a directory only you can write to.
 """
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -43,10 +56,13 @@ from .backends.backend import Backend, CompiledStep
 from .backends.in_place import Donation
 from .logger import logger
 from .graph_format import graph_fingerprint, tensor_metadata
+from .profiling.ranges import profile_range
 
 _MAGIC = "poptorch-executable-cache"
 _FORMAT_VERSION = 1
 _SUFFIX = ".pexe"
+_INDEX = "index.json"
+_INDEX_LOCK = ".index.lock"
 
 
 class CacheEntryError(Exception):
@@ -87,8 +103,9 @@ def executable_key(backend: Backend, graph: torch.fx.GraphModule,
 
 @dataclasses.dataclass
 class ExecutableCache:
-    """One cache directory."""
+    """One cache directory, used by the model ``model_name``."""
     directory: str
+    model_name: str
 
     @property
     def backend_directory(self) -> str:
@@ -110,12 +127,14 @@ class ExecutableCache:
             raise CacheEntryError(f"cannot be read: {error}") from error
         return _checked_payload(header_line, payload, key)
 
-    def write(self, key: str, payload: bytes) -> None:
-        """Store ``payload`` atomically; failures only log a warning."""
+    def write(self, key: str, payload: bytes, step: str) -> None:
+        """Store ``payload``, the step ``step``, atomically and index it;
+        failures only log a warning."""
         header = {"magic": _MAGIC, "format": _FORMAT_VERSION, "key": key,
                   "poptorch": __version__, "torch": torch.__version__,
                   "size": len(payload),
-                  "sha256": hashlib.sha256(payload).hexdigest()}
+                  "sha256": hashlib.sha256(payload).hexdigest(),
+                  "model": self.model_name, "step": step}
         try:
             os.makedirs(self.directory, exist_ok=True)
             _write_atomically(self.path(key),
@@ -123,6 +142,46 @@ class ExecutableCache:
         except OSError as error:
             logger.warning("Could not write the executable cache entry %s: "
                            "%s", self.path(key), error)
+            return
+        self.index(key, step)
+
+    def index(self, key: str, step: str) -> None:
+        """Record in ``index.json`` that the entry ``key`` holds the step
+        ``step`` of this model; failures only log a warning."""
+        entry = os.path.basename(self.path(key))
+        lock_path = os.path.join(self.directory, _INDEX_LOCK)
+        try:
+            with open(lock_path, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                index = self.read_index()
+                if index.get(self.model_name, {}).get(entry) == step:
+                    return
+                index.setdefault(self.model_name, {})[entry] = step
+                _write_atomically(
+                    os.path.join(self.directory, _INDEX),
+                    json.dumps(index, indent=1, sort_keys=True).encode())
+        except OSError as error:
+            logger.warning("Could not update the executable cache index in "
+                           "%s: %s", self.directory, error)
+
+    def read_index(self) -> Dict[str, Dict[str, str]]:
+        """``index.json``: {model name: {entry file: step name}}; empty when
+        there is none, or when it cannot be read (a warning)."""
+        path = os.path.join(self.directory, _INDEX)
+        try:
+            with open(path, encoding="utf-8") as stream:
+                index = json.load(stream)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            logger.warning("The executable cache index %s cannot be read "
+                           "(%s); starting a new one", path, error)
+            return {}
+        if not _is_index(index):
+            logger.warning("The executable cache index %s is not a poptorch "
+                           "index; starting a new one", path)
+            return {}
+        return index
 
 
 def _checked_payload(header_line: bytes, payload: bytes, key: str) -> bytes:
@@ -159,28 +218,40 @@ def _write_atomically(path: str, data: bytes) -> None:
         raise
 
 
+def _is_index(index: Any) -> bool:
+    return isinstance(index, dict) and all(
+        isinstance(entries, dict) and all(
+            isinstance(step, str) for step in entries.values())
+        for entries in index.values())
+
+
 def compile_cached(cache: Optional[ExecutableCache], backend: Backend,
                    graph: torch.fx.GraphModule,
                    example_inputs: List[torch.Tensor],
-                   key: str, donation: Optional[Donation] = None
-                   ) -> CompiledStep:
+                   key: str, donation: Optional[Donation] = None, *,
+                   step: str) -> CompiledStep:
     """``backend.compile(graph, example_inputs, donation)``, through the
     cache when there is one and the backend keeps executables; ``key`` is
-    the step's ``executable_key``."""
+    the step's ``executable_key``, ``step`` its name (``"inference"``,
+    ``"update"``...), which the index records with the model's name."""
     if cache is None or not backend.keeps_executables:
         return backend.compile(graph, example_inputs, donation)
     settings = backend.settings_fingerprint()
     if settings:
         key = hashlib.sha256(f"{key}/{settings}".encode()).hexdigest()
     with backend.storage(cache.backend_directory):
-        step = _load_entry(cache, backend, key)
-        if step is not None:
-            logger.debug("Loaded the compiled step %s from the executable "
-                         "cache", key)
-            return step
-        step = backend.compile(graph, example_inputs, donation)
-        cache.write(key, backend.serialize(step))
-    return step
+        if os.path.exists(cache.path(key)):
+            with profile_range("executable cache hit"):
+                compiled = _load_entry(cache, backend, key)
+            if compiled is not None:
+                logger.debug("Loaded the compiled step %s from the "
+                             "executable cache", key)
+                cache.index(key, step)
+                return compiled
+        with profile_range("executable cache miss"):
+            compiled = backend.compile(graph, example_inputs, donation)
+            cache.write(key, backend.serialize(compiled), step)
+    return compiled
 
 
 def _load_entry(cache: ExecutableCache, backend: Backend,

@@ -15,7 +15,7 @@ import torch
 from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
-from . import compile_hooks, failed_calls, weight_sync
+from . import compile_hooks, failed_calls, profiling, weight_sync
 from .replication import grouping
 from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
@@ -23,6 +23,7 @@ from .compiled_model import CompiledModel, ModelSpec
 from .device_state import updatable_buffers
 from .devices import select_device
 from .lightning_logging import logged_output
+from .log_files import apply_log_options
 from .logger import logger
 from .options.groups import freeze
 from .optimizers import optimizer_state
@@ -52,6 +53,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         freeze(options)
         self._options = options.clone()
         freeze(self._options)
+        apply_log_options(self._options)
+        self._profile = profiling.for_model(self._options, training)
         self._module = module
         self._training = training
         self._poptorch_version = poptorch_version
@@ -139,13 +142,15 @@ class PoplarExecutor(CompiledExecutionMethods):
         """Capture and compile for ``call``; ``precompiled`` steps (read
         from an exported file) replace compilation when they match."""
         start = time.perf_counter()
-        with compile_hooks.around_compilation(), \
+        with self._profile.top_range("compile"), \
+                compile_hooks.around_compilation(), \
                 compile_session(self._options, self._training, precompiled,
                                 precompiled_source) as session, \
                 torch.inference_mode(False):
             self._prepare_host_weights()
             compiled = CompiledModel.build(self._spec(), call, session)
             self._use_compiled(compiled)
+        self._profile.compiled(compiled)
         logger.debug("Compiled %s model in %.2f s on %s",
                      "training" if self._training else "inference",
                      time.perf_counter() - start, compiled.state.device)
@@ -197,11 +202,12 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._compile(call)
         else:
             self._compiled.signature.check(call)
-        self._connect_for_run()
-        self._load_weights_trained_elsewhere(
-            same_module=not self._training and
-            self._loaded_version != self._sync.version)
-        return self._run(call)
+        with self._profile.top_range("call"):
+            self._connect_for_run()
+            self._load_weights_trained_elsewhere(
+                same_module=not self._training and
+                self._loaded_version != self._sync.version)
+            return self._run(call)
 
     def _load_weights_trained_elsewhere(self, same_module: bool = False
                                         ) -> None:
@@ -230,6 +236,7 @@ class PoplarExecutor(CompiledExecutionMethods):
     def _run(self, call: CallArguments):
         """One call, rolled back whole if it fails (``failed_calls.py``)."""
         compiled = self._compiled
+        self._profile.called(call.tensors(), compiled.layout)
         with failed_calls.interrupts_between_steps() as progress:
             outputs = compiled.run(call.tensors(), progress)
         if self._training:
@@ -248,7 +255,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         no stale copy overwrites them)."""
         compiled = self._require_compiled("copyWeightsToHost")
         self._load_weights_trained_elsewhere()
-        with weight_sync.host_reads_suspended():
+        with self._profile.top_range("weight download"), \
+                weight_sync.host_reads_suspended():
             compiled.state.store_to_host(self._module)
         if self._sync.trainer is self:
             self._sync.device_newer = False
@@ -261,7 +269,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._compiled is None:
             return
         self._compiled.grouped.check_rows(_host_params(self._module))
-        with weight_sync.host_reads_suspended():
+        with self._profile.top_range("weight upload"), \
+                weight_sync.host_reads_suspended():
             self._compiled.state.load_from_host(self._module)
         if self._training:
             self._sync.device_newer = False
@@ -380,6 +389,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._registered = False
         self._reset_compiled_state()
         self._destroyed = True
+        self._profile.close()
 
     # --- cycle counts ----------------------------------------------------------
     def cycleCount(self) -> int:

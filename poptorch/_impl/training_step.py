@@ -26,6 +26,7 @@ import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.fx.traceback as fx_traceback
 
 from ..enums import ReductionType
 from . import losses
@@ -42,6 +43,7 @@ from .optimizers.global_attributes import (GlobalAttributes,
 from .optimizers.gradient_reduction import GradientReduction
 from .optimizers.plan import OptimizerPlan
 from .optimizers.rule import UpdateRule
+from .profiling.facts import BACKWARD, PASS_KEY
 
 
 # Hyper-parameter names whose optimizer attribute has another name.
@@ -286,7 +288,8 @@ def _gradients(loss: torch.Tensor, trainable: List[torch.Tensor]
     as PyTorch's ``backward()`` would leave no gradient to apply."""
     if not trainable:
         return []
-    grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+    with fx_traceback.annotate({PASS_KEY: BACKWARD}):
+        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g
             for p, g in zip(trainable, grads)]
 

@@ -35,6 +35,8 @@ from torch.utils.data import BatchSampler, IterableDataset
 from ...enums import DataLoaderMode, SharingStrategy
 from ...errors import Error
 from ..logger import info_once
+from ..profiling.ranges import profile_range
+from ..profiling.trace_events import WAIT_FOR_DATA
 from .ring_buffer import SlotReader
 from .sharing import DatasetSource, start_context, strategy_name
 from .worker import ErrorReport, WorkerConfig, run_worker
@@ -116,6 +118,11 @@ class AsynchronousDataAccessor:
         return self
 
     def __next__(self) -> Any:
+        """The next batch (a ``wait for data`` range on the timeline)."""
+        with profile_range(WAIT_FOR_DATA):
+            return self._next_batch()
+
+    def _next_batch(self) -> Any:
         self._check_usable()
         if not self._epoch_open:
             iter(self)

@@ -24,6 +24,7 @@ from typing import Dict, List, Set
 
 import torch
 
+from ..profiling.ranges import profile_range
 from . import process_group
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -33,7 +34,8 @@ BUCKET_BYTES = 25 << 20
 @torch.library.custom_op("poptorch::all_reduce_start_",
                          mutates_args=("flat",))
 def _all_reduce_start_(flat: torch.Tensor, bucket: int) -> None:
-    process_group.current().start_all_reduce_(flat, bucket)
+    with profile_range("all-reduce"):
+        process_group.current().start_all_reduce_(flat, bucket)
 
 
 @_all_reduce_start_.register_fake
@@ -45,8 +47,9 @@ def _all_reduce_start_fake(flat: torch.Tensor, bucket: int) -> None:
                          mutates_args=("flat",))
 def _all_reduce_wait_(flat: torch.Tensor, bucket: int,
                       average: bool) -> None:
-    process_group.current().finish_all_reduce_(
-        flat, bucket, average, "the gradient all-reduce")
+    with profile_range("all-reduce wait"):
+        process_group.current().finish_all_reduce_(
+            flat, bucket, average, "the gradient all-reduce")
 
 
 @_all_reduce_wait_.register_fake

@@ -20,6 +20,7 @@ from ..failed_calls import CallProgress
 from ..floating_point_checks import StepFlags
 from ..logger import info_once
 from ..outputs import OutputCollector
+from ..profiling.ranges import profile_range
 from ..staging.staged_execution import (StagedExecution, check_recomputation,
                                         check_supported)
 from ..training_step import TrainingLayout
@@ -56,9 +57,10 @@ class StagedEngine(Engine):
                                      inputs.training_flags)
         graph = session.anchors.add_outputs(graph, "forward",
                                             before=int(training))
-        staged = stages.cut_into_stages(graph, plan.placements, analysis,
-                                        len(state.params),
-                                        len(state.buffers[0]), training)
+        with profile_range("partition into stages"):
+            staged = stages.cut_into_stages(graph, plan.placements, analysis,
+                                            len(state.params),
+                                            len(state.buffers[0]), training)
         check_recomputation(staged, bool(analysis.written_inputs))
         session.record("forward", graph)
         if session.backend.name != "graph":

@@ -57,8 +57,9 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         IMPLEMENTED, "compiled executables (inductor backend) are kept in "
         "and loaded from this directory"),
     "enableProfiling": Effect(
-        NO_EFFECT, "IPU profiling reports (PopVision) are not produced; use "
-        "torch.profiler instead"),
+        IMPLEMENTED, "writes the model's timeline (a Chrome trace, for "
+        "Perfetto or TensorBoard) and its report in the directory "
+        "(docs/profiling.md)"),
     "enableStableNorm": Effect(
         NO_EFFECT, "PyTorch's CPU/GPU normalisation kernels already compute "
         "statistics in a numerically stable way"),
@@ -71,12 +72,16 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "logCycleCount": Effect(
         NO_EFFECT, "IPU cycle counts do not exist on CPU/GPU"),
     "logDir": Effect(
-        NO_EFFECT, "no log files are written; messages go to the console"),
+        IMPLEMENTED, "the poptorch logger also writes its messages, with "
+        "timestamps, to poptorch.log (poptorch.rank<R>.log in a "
+        "multi-process run) in this directory, from the model's creation"),
     "maxRepeatLogs": Effect(
-        STORED, "takes effect with suppression of repeated log lines"),
+        IMPLEMENTED, "from the model's creation, at most this many "
+        "consecutive messages of one template are logged (console and log "
+        "file), then one line says how many were suppressed"),
     "modelName": Effect(
-        STORED, "takes effect with model names (profiling and executable "
-        "names)"),
+        IMPLEMENTED, "names the executable-cache entries and the profiling "
+        "timeline and report files (default: 'training' or 'inference')"),
     "outputMode": Effect(
         IMPLEMENTED, "selects which iterations' outputs a call returns"),
     "randomSeed": Effect(
@@ -197,6 +202,12 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "Distributed.disable": _DISTRIBUTED,
     "Distributed.setEnvVarNames": _DISTRIBUTED,
 }
+
+
+def model_name(options, training: bool) -> str:
+    """The model's name: ``modelName``, by default ``"training"`` or
+    ``"inference"`` as in PopTorch."""
+    return options.model_name or ("training" if training else "inference")
 
 
 def announce_effect(option: str) -> None:

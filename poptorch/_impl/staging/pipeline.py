@@ -30,6 +30,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
 from ..distributed import process_group
 from ..distributed.pipeline_processes import PipelineProcesses
 from ..logger import info_once
+from ..profiling.ranges import profile_range
 from .stages import StageModule
 
 
@@ -49,6 +50,15 @@ def _local_group() -> Optional[dist.ProcessGroup]:
     return None
 
 
+class _TimedStage(PipelineStage):
+    """A pipeline stage whose backward passes are ranges on the timeline
+    (``stage k backward``; its forward passes are ``StageModule``'s)."""
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with profile_range(f"stage {self.stage_index} backward"):
+            return super().backward_one_chunk(*args, **kwargs)
+
+
 class PipelineSchedule:
     """The stages of this process and the schedule that runs them: all the
     stages (``ScheduleInterleaved1F1B``), or with ``processes`` the one
@@ -61,8 +71,8 @@ class PipelineSchedule:
         if processes is not None:
             module = modules[processes.stage]
             module.skip_effects_once = True
-            stage = PipelineStage(module, processes.stage, len(modules),
-                                  device, group=processes.group)
+            stage = _TimedStage(module, processes.stage, len(modules),
+                                device, group=processes.group)
             self._schedule = Schedule1F1B(stage, micro_batches,
                                           loss_fn=self._loss,
                                           scale_grads=False)
@@ -71,8 +81,8 @@ class PipelineSchedule:
         stages = []
         for module in modules:
             module.skip_effects_once = True
-            stages.append(PipelineStage(module, module.index, len(modules),
-                                        device, group=group))
+            stages.append(_TimedStage(module, module.index, len(modules),
+                                      device, group=group))
         self._schedule = ScheduleInterleaved1F1B(
             stages, micro_batches, loss_fn=self._loss, scale_grads=False)
 

@@ -19,6 +19,7 @@ import torch
 
 from ...enums import Liveness
 from ..logger import info_once
+from ..profiling.ranges import profile_range
 from .stages import StageModule
 
 
@@ -53,4 +54,5 @@ class SequentialSchedule:
                 with self._phase_memory():
                     carried = module(*carried, **kwargs)
             if scale_loss is not None:
-                scale_loss(carried[-1]).backward()
+                with profile_range("backward"):
+                    scale_loss(carried[-1]).backward()

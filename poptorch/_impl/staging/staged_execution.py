@@ -58,6 +58,7 @@ from ..floating_point_checks import StepFlags
 from ..logger import info_once
 from ..optimizers.global_attributes import PartialGradients
 from ..outputs import OutputCollector
+from ..profiling.ranges import profile_range
 from .pipeline import PipelineSchedule
 from ..replication.grouping import GroupedWeights
 from .sequential_stages import SequentialSchedule
@@ -295,29 +296,40 @@ class StagedExecution:
         training = self._training_layout
         for iteration in range(layout.device_iterations):
             progress.step(iteration, 0, 0)
-            self._view.rebind(training.merge(state.trainable, state.frozen),
-                              state.buffer_sets)
-            scaling = self._settings.attributes.bind(
-                state.hyper[training.hyper_size():],
-                state.optimizer[training.state_size():])
-            factor = self._settings.gradients.loss_factor()
-            positions = [(iteration, step, replica)
-                         for step in range(layout.gradient_accumulation)
-                         for replica in range(layout.replicas)]
-            stacked = self._stacked(inputs, positions, layout)
-            with torch.enable_grad():
-                self._schedule.run(
-                    stacked, len(positions),
-                    lambda loss: scaling.scale_loss(loss, factor))
-            self._write_back(stacked, inputs, positions, layout)
-            grads = self._view.gradients(training.trainable)
-            self._combine_over_processes(grads)
-            self._collect(collector, positions, layout, state.trainable)
-            step_flags = self._update(state, grads)
-            if flags is not None and step_flags is not None:
-                flags.add(progress.position, step_flags)
+            with profile_range("device iteration"):
+                self._run_step(state, inputs, layout, collector, iteration,
+                               progress.position, flags)
         self._view.rebind(training.merge(state.trainable, state.frozen),
                           state.buffer_sets)
+
+    def _run_step(self, state: TrainingState, inputs: List[torch.Tensor],
+                  layout: BatchLayout, collector: OutputCollector,
+                  iteration: int, position,
+                  flags: Optional[StepFlags]) -> None:
+        """One optimizer step: the G x R micro-batches through the stages,
+        then the update."""
+        training = self._training_layout
+        self._view.rebind(training.merge(state.trainable, state.frozen),
+                          state.buffer_sets)
+        scaling = self._settings.attributes.bind(
+            state.hyper[training.hyper_size():],
+            state.optimizer[training.state_size():])
+        factor = self._settings.gradients.loss_factor()
+        positions = [(iteration, step, replica)
+                     for step in range(layout.gradient_accumulation)
+                     for replica in range(layout.replicas)]
+        stacked = self._stacked(inputs, positions, layout)
+        with torch.enable_grad():
+            self._schedule.run(stacked, len(positions),
+                               lambda loss: scaling.scale_loss(loss, factor))
+        self._write_back(stacked, inputs, positions, layout)
+        grads = self._view.gradients(training.trainable)
+        self._combine_over_processes(grads)
+        self._collect(collector, positions, layout, state.trainable)
+        with profile_range("optimizer update"):
+            step_flags = self._update(state, grads)
+        if flags is not None and step_flags is not None:
+            flags.add(position, step_flags)
 
     def _stacked(self, inputs: List[torch.Tensor],
                  positions: List[Tuple[int, int, int]],
@@ -348,12 +360,13 @@ class StagedExecution:
         indices = self._training_layout.trainable
         shared = [grad for index, grad in zip(indices, grads)
                   if index in self._shared]
-        if shared:
-            processes.sum_shared_gradients_(shared)
-        processes.reduce_gradients_(
-            [grad for index, grad in zip(indices, grads)
-             if processes.stage in self._owners[index]],
-            self._settings.reduction == ReductionType.Mean)
+        with profile_range("all-reduce"):
+            if shared:
+                processes.sum_shared_gradients_(shared)
+            processes.reduce_gradients_(
+                [grad for index, grad in zip(indices, grads)
+                 if processes.stage in self._owners[index]],
+                self._settings.reduction == ReductionType.Mean)
 
     def _owned_positions(self, layout: TrainingLayout,
                          processes: Optional[PipelineProcesses]) -> List[int]:

@@ -34,6 +34,7 @@ from . import partition
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                        split_flat, tensor_outputs, trace_user_code)
 from ..optimizers.gradient_reduction import GradientReduction
+from ..profiling.ranges import profile_range
 from ..replication.grouping import GroupedWeights
 from .strategies import BlockPlacement
 
@@ -329,6 +330,11 @@ class StageModule(torch.nn.Module):
         return inputs[input_name(index - staged.num_buffers)][0]
 
     def forward(self, *carried: torch.Tensor, **inputs: torch.Tensor):
+        with profile_range(f"stage {self.index} forward"):
+            return self._forward(carried, inputs)
+
+    def _forward(self, carried: Tuple[torch.Tensor, ...],
+                 inputs: Dict[str, torch.Tensor]):
         differentiable = self.training_stage and torch.is_grad_enabled()
         if differentiable:
             carried = tuple(_as_differentiable_leaf(t) for t in carried)

@@ -1,17 +1,21 @@
-"""Profiling channels (API reference 11.2): ``poptorch.profiling.Channel``.
+"""Profiling (API reference 11.2, docs/profiling.md):
+``poptorch.profiling.Channel`` and ``flush``.
 
 Tracepoints are ``torch.profiler.record_function`` ranges named
-``"<channel>.<tracepoint>"``: they appear in a ``torch.profiler.profile``
-trace (and in its Chrome trace export) and cost next to nothing when no
-profiler is running, the counterpart of PopTorch's no-op mode without
-libpvti.
+``"<channel>.<tracepoint>"``: with profiling on (``enableProfiling``,
+``PVTI_OPTIONS``) they go on the channel's own track of every profiled
+model's timeline; they appear in a ``torch.profiler.profile`` the user
+runs, and cost next to nothing when no profiler is recording, the
+counterpart of PopTorch's no-op mode without libpvti.
+
+``python -m poptorch.profiling DIR`` prints the summary of the reports in
+``DIR`` (the processes of a ``poprun`` run merged).
 """
 import functools
-from typing import Callable
+from typing import Callable, ContextManager
 
-import torch
-
-from .errors import Error
+from .._impl.profiling import SESSION, profile_range
+from ..errors import Error
 
 
 class Channel:
@@ -28,13 +32,14 @@ class Channel:
             raise Error(f"profiling.Channel: name must be a non-empty string, "
                         f"not {name!r}")
         self._name = name
+        SESSION.add_channel(name)
 
-    def tracepoint(self, name: str) -> torch.profiler.record_function:
+    def tracepoint(self, name: str) -> ContextManager:
         """A context manager timing its body as ``"<channel>.<name>"``."""
         if not isinstance(name, str) or not name:
             raise Error("Channel.tracepoint: name must be a non-empty "
                         f"string, not {name!r}")
-        return torch.profiler.record_function(f"{self._name}.{name}")
+        return profile_range(f"{self._name}.{name}")
 
     def instrument(self, obj: object, *methods: str) -> None:
         """Wrap the named methods of ``obj`` (an object or a class) so that
@@ -59,3 +64,10 @@ class Channel:
                 return method(*args, **kwargs)
 
         return traced
+
+
+def flush() -> None:
+    """Write the timeline and report files of every profiled model of this
+    process now, with what was recorded so far (they are also written when a
+    model is destroyed and when the process exits)."""
+    SESSION.flush()
