@@ -2,6 +2,7 @@
 import copy
 import io
 import logging
+import os
 import socket
 
 import pytest
@@ -15,6 +16,12 @@ from poptorch._impl import logger as logger_module
 # tests compare with float32 references at float32 tolerances.
 torch.backends.cudnn.conv.fp32_precision = "ieee"
 torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+# The default backend ("auto") compiles a model's steps with Inductor in
+# the background once it has run POPTORCH_TIER_UP_AFTER seconds of calls;
+# the tests of that (test_tiered_compilation.py) set it themselves, the
+# others run on the graph tier without starting compilations.
+os.environ.setdefault("POPTORCH_TIER_UP_AFTER", "inf")
 
 
 class ClassifierMLP(torch.nn.Module):

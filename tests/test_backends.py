@@ -88,14 +88,19 @@ def test_inductor_keeps_writes_to_inputs():
     _inference_writes_input("inductor")
 
 
-def test_auto_is_the_graph_backend_on_cpu():
+def test_auto_starts_on_the_graph_backend_on_cpu():
+    """The default tiers the steps (test_tiered_compilation.py): the graph
+    backend's steps until the tier-up."""
     torch.manual_seed(0)
-    model = poptorch.inferenceModel(BatchNormNet().eval(),
-                                    poptorch.Options().useIpuModel(True))
+    net = BatchNormNet().eval()
+    model = poptorch.inferenceModel(net, poptorch.Options().useIpuModel(True))
     x, y = make_images(2)
     model(x, y)
     assert model.options.backend == "auto"
-    assert compiled_model(model).session.backend.name == "graph"
+    session = compiled_model(model).session
+    assert session.backend.name == "auto"
+    assert not session.tiers.on_fast_tier
+    torch.testing.assert_close(model(x, y), net(x, y))
 
 
 def test_environment_variable_selects_the_backend(monkeypatch):

@@ -19,11 +19,14 @@ from . import compile_errors, tracing_context
 from .backends.backend import CompiledStep
 from .backends.in_place import Donation
 from .backends.selection import ENVIRONMENT_VARIABLE, select_backend
+from .backends.tiered import TieredBackend
 from .devices import select_device
-from .executable_cache import ExecutableCache, compile_cached, executable_key
+from .executable_cache import (ExecutableCache, compile_cached,
+                               default_cache_directory, executable_key)
 from .names import Anchors
 from .options.effects import model_name
 from .profiling.ranges import profile_range
+from .tiering import TieredCompilation
 from .graph_format import serialize_graph
 
 #: Options left out of the executable key: those that do not change the
@@ -92,13 +95,17 @@ class CompileSession:
                  precompiled: Optional[Dict[str, PrecompiledStep]] = None,
                  precompiled_source: str = "") -> None:
         self.device = select_device(options.use_ipu_model)
-        self.backend = select_backend(options.backend, self.device,
-                                      ENVIRONMENT_VARIABLE)
+        self.backend = select_backend(options.backend, ENVIRONMENT_VARIABLE)
         self.options = compile_time_options(options)
         cache_dir = options.executable_cache_dir
         self.cache = (ExecutableCache(cache_dir,
                                       model_name(options, training))
                       if cache_dir else None)
+        self.tiers = (TieredCompilation(
+            self.cache or ExecutableCache(default_cache_directory(),
+                                          model_name(options, training)),
+            self.options, options.show_compilation_progress_bar)
+            if isinstance(self.backend, TieredBackend) else None)
         self.anchors = Anchors(
             options.anchored_tensors, options.module_namescope,
             options.Training.gradient_accumulation if training else 1)
@@ -142,6 +149,8 @@ class CompileSession:
         if self.precompiled is not None:
             return self._precompiled_step(name, graph, example_inputs,
                                           donation)
+        if self.tiers is not None:
+            return self.tiers.add(name, graph, example_inputs, donation)
         if self.cache is not None and self.backend.keeps_executables:
             return compile_cached(self.cache, self.backend, graph,
                                   example_inputs, self.key(name), donation,
@@ -184,6 +193,8 @@ class CompileSession:
                           example_inputs: List[torch.Tensor],
                           donation: Optional[Donation]) -> CompiledStep:
         stored = self._stored_step(name, graph)
+        if stored.executable is None and self.tiers is not None:
+            return self.tiers.add(name, graph, example_inputs, donation)
         if stored.executable is None:
             return compile_cached(self.cache, self.backend, graph,
                                   example_inputs, stored.key, donation,

@@ -16,6 +16,7 @@ state (``export.py``, ``optimizers/optimizer_state.py``) use the public
 attributes and methods here.
 """
 import dataclasses
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -161,7 +162,12 @@ class CompiledModel:
     def run(self, host_inputs: List[torch.Tensor],
             progress: failed_calls.CallProgress) -> List[torch.Tensor]:
         """One call on ``host_inputs``: the combined output tensors. Inputs
-        that ``forward`` writes in place are written back."""
+        that ``forward`` writes in place are written back. Between calls,
+        an ``auto`` model's steps may move to their compiled tier."""
+        tiers = self.session.tiers
+        if tiers is not None:
+            tiers.before_call()
+        start = time.perf_counter()
         layout = self.layout
         timer = CallTimer(len(host_inputs), layout.device_iterations,
                           layout.gradient_accumulation)
@@ -178,7 +184,15 @@ class CompiledModel:
                     host_inputs[index].copy_(device_inputs[index])
         timer.outputs_transferred(len(outputs))
         self.timer = timer
+        if tiers is not None:
+            tiers.after_call(time.perf_counter() - start)
         return outputs
+
+    def close(self) -> None:
+        """The model is destroyed: stop what its compilation still runs
+        (an ``auto`` model's background compilation)."""
+        if self.session.tiers is not None:
+            self.session.tiers.close()
 
     def _rolled_back_on_failure(self, split: List[torch.Tensor],
                                 timer: CallTimer,

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .._version import __version__
+from ..errors import Error
 from .backends.backend import Backend, CompiledStep
 from .backends.in_place import Donation
 from .logger import logger
@@ -60,7 +61,8 @@ from .profiling.ranges import profile_range
 
 _MAGIC = "poptorch-executable-cache"
 _FORMAT_VERSION = 1
-_SUFFIX = ".pexe"
+#: The file name ending of a cache entry.
+ENTRY_SUFFIX = ".pexe"
 _INDEX = "index.json"
 _INDEX_LOCK = ".index.lock"
 
@@ -92,7 +94,7 @@ def executable_key(backend: Backend, graph: torch.fx.GraphModule,
         "torch": torch.__version__,
         "python": sys.version,
         "device": device_description(device),
-        "backend": backend.name,
+        "backend": backend.key_name,
         "graph": graph_fingerprint(graph),
         "inputs": tensor_metadata(example_inputs),
         "options": options,
@@ -112,7 +114,7 @@ class ExecutableCache:
         return os.path.join(self.directory, "inductor")
 
     def path(self, key: str) -> str:
-        return os.path.join(self.directory, key + _SUFFIX)
+        return os.path.join(self.directory, key + ENTRY_SUFFIX)
 
     def read(self, key: str) -> Optional[bytes]:
         """The payload stored under ``key``; None when there is none. Raises
@@ -236,21 +238,74 @@ def compile_cached(cache: Optional[ExecutableCache], backend: Backend,
     ``"update"``...), which the index records with the model's name."""
     if cache is None or not backend.keeps_executables:
         return backend.compile(graph, example_inputs, donation)
-    settings = backend.settings_fingerprint()
-    if settings:
-        key = hashlib.sha256(f"{key}/{settings}".encode()).hexdigest()
+    key = entry_key(backend, key)
     with backend.storage(cache.backend_directory):
-        if os.path.exists(cache.path(key)):
-            with profile_range("executable cache hit"):
-                compiled = _load_entry(cache, backend, key)
-            if compiled is not None:
-                logger.debug("Loaded the compiled step %s from the "
-                             "executable cache", key)
-                cache.index(key, step)
-                return compiled
+        compiled = load_cached(cache, backend, key, step)
+        if compiled is not None:
+            return compiled
         with profile_range("executable cache miss"):
             compiled = backend.compile(graph, example_inputs, donation)
             cache.write(key, backend.serialize(compiled), step)
+    return compiled
+
+
+def default_cache_directory() -> str:
+    """The cache of the ``auto`` backend's compiled steps when the options
+    name none: ``<temporary directory>/poptorch-<uid>/executables``, in a
+    directory private to the user (``prepare_directory``), next to where
+    Inductor keeps its own kernels."""
+    return os.path.join(tempfile.gettempdir(), f"poptorch-{os.getuid()}",
+                        "executables")
+
+
+def prepare_directory(directory: str) -> None:
+    """Create the cache ``directory``; the default one's parent is created
+    private (0700), and ``poptorch.Error`` says so when another user owns
+    it (its entries hold code this process would run)."""
+    if directory == default_cache_directory():
+        os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
+        if not trusted_directory(directory):
+            raise Error(f"The executable cache directory "
+                        f"{os.path.dirname(directory)} belongs to another "
+                        "user; set POPTORCH_CACHE_DIR or "
+                        "opts.enableExecutableCaching(path) to a directory "
+                        "of your own")
+    os.makedirs(directory, exist_ok=True)
+
+
+def trusted_directory(directory: str) -> bool:
+    """False for the default cache directory when another user owns its
+    parent (its entries must not be loaded)."""
+    if directory != default_cache_directory():
+        return True
+    try:
+        return os.stat(os.path.dirname(directory)).st_uid == os.getuid()
+    except FileNotFoundError:
+        return True
+
+
+def entry_key(backend: Backend, key: str) -> str:
+    """The cache entry's key of a step whose ``executable_key`` is ``key``:
+    with the backend's settings in this process."""
+    settings = backend.settings_fingerprint()
+    if settings:
+        key = hashlib.sha256(f"{key}/{settings}".encode()).hexdigest()
+    return key
+
+
+def load_cached(cache: ExecutableCache, backend: Backend, key: str,
+                step: str) -> Optional[CompiledStep]:
+    """The step stored under the entry key ``key`` (an
+    ``executable cache hit`` range), or None when there is none or it
+    cannot be used (a warning); call inside ``backend.storage``."""
+    if not os.path.exists(cache.path(key)):
+        return None
+    with profile_range("executable cache hit"):
+        compiled = _load_entry(cache, backend, key)
+    if compiled is not None:
+        logger.debug("Loaded the compiled step %s from the executable "
+                     "cache", key)
+        cache.index(key, step)
     return compiled
 
 

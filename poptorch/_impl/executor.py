@@ -378,6 +378,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         optimizer, which the next compilation starts from; calling the model
         compiles it again."""
         if self._compiled is not None:
+            self._compiled.close()
             self.copyWeightsToHostIfNeeded()
             if self._training:
                 self._compiled.training.optimizer_state.keep_on_optimizer(

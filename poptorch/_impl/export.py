@@ -56,6 +56,9 @@ FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 _TENSORS = "tensors.pt"
 _MODEL = "model.pt"
+#: Backends whose exported files hold the graphs alone (no executables):
+#: a file of one loads into a model of the other.
+GRAPH_DOCUMENTS_ONLY = frozenset({"graph", "auto"})
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -254,7 +257,6 @@ class ExportedFile:
         options = wrapped.options
         device_type = select_device(options.use_ipu_model).type
         backend_name = select_backend(options.backend,
-                                      torch.device(device_type),
                                       ENVIRONMENT_VARIABLE).name
         if manifest["training"] != wrapped.training:
             kinds = {True: "a training", False: "an inference"}
@@ -266,7 +268,8 @@ class ExportedFile:
                 f"it was compiled for the {manifest['device_type']} device "
                 f"and this model runs on {device_type} (useIpuModel(True) "
                 "or POPTORCH_IPU_MODEL=1 select the CPU)")
-        if manifest["backend"] != backend_name:
+        if manifest["backend"] != backend_name and not {
+                manifest["backend"], backend_name} <= GRAPH_DOCUMENTS_ONLY:
             raise self._error(
                 f"it was compiled with the {manifest['backend']!r} backend "
                 f"and the model's options select {backend_name!r} "

@@ -21,6 +21,12 @@ class Backend(abc.ABC):
     """
 
     name: str
+    #: The name executable keys hold: backends whose steps are the same
+    #: compiled graphs share keys (and exported files).
+    @property
+    def key_name(self) -> str:
+        return self.name
+
     keeps_executables: bool = False
     #: Whether a training step of one micro-batch should still add its
     #: gradients into the running gradient buffer that the device loop

@@ -1,0 +1,248 @@
+"""Tiered compilation (issue 20, the "auto" backend): the graph tier at
+once, Inductor's steps compiled in another process once a model has run
+POPTORCH_TIER_UP_AFTER seconds of calls, switched between calls with the
+device state carried over; warm caches start fast; failures fall back."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import poptorch
+from poptorch._impl.backends.inductor import InductorStep
+from poptorch._impl.executor import compiled_model
+from poptorch._impl.tiering import background, tier_up
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        # No bias before the BatchNorm: its gradient is zero up to rounding,
+        # which Adam would scale up into backend-dependent updates.
+        self.fc1 = torch.nn.Linear(6, 16, bias=False)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y=None):
+        out = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        if y is None:
+            return out
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _data(rows, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 6, generator=generator),
+            torch.randint(0, 3, (rows,), generator=generator))
+
+
+def _pair(backend_options, replicas=1):
+    """An "auto" training model and a "graph" one from the same weights,
+    D = 2, G = 2."""
+    torch.manual_seed(0)
+    nets = [Net(), Net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    models = []
+    for net, backend in zip(nets, backend_options):
+        options = poptorch.Options().deviceIterations(2)
+        options.Training.gradientAccumulation(2)
+        options.replicationFactor(replicas)
+        options.setBackend(backend)
+        models.append(poptorch.trainingModel(
+            net, options, optimizer=poptorch.optim.SGD(
+                net.parameters(), lr=0.01, momentum=0.9)))
+    return nets, models
+
+
+def _tiers(model):
+    return compiled_model(model).session.tiers
+
+
+def _wait_for_fast_tier(model, x, y, reference, timeout=240):
+    """Call both models until ``model`` runs Inductor's steps."""
+    start = time.monotonic()
+    torch.testing.assert_close(model(x, y), reference(x, y))
+    calls = 1
+    while not _tiers(model).on_fast_tier:
+        assert time.monotonic() - start < timeout, "no tier-up"
+        torch.testing.assert_close(model(x, y), reference(x, y))
+        calls += 1
+        time.sleep(0.2)
+    return calls
+
+
+def test_auto_is_the_default_and_starts_on_the_graph_tier(monkeypatch):
+    monkeypatch.delenv("POPTORCH_BACKEND", raising=False)
+    monkeypatch.setenv(tier_up.TIER_UP_VARIABLE, "3600")
+    net = Net()
+    model = poptorch.trainingModel(
+        net, poptorch.Options(),
+        optimizer=poptorch.optim.SGD(net.parameters(), lr=0.1))
+    model(*_data(4, 0))
+    session = compiled_model(model).session
+    assert session.backend.name == "auto"
+    tiers = session.tiers
+    assert not tiers.on_fast_tier
+    assert not isinstance(tiers._steps["update"].current, InductorStep)
+    assert tiers._compile is None        # below the threshold: no worker
+
+
+def test_a_bad_threshold_is_refused(monkeypatch):
+    monkeypatch.setenv(tier_up.TIER_UP_VARIABLE, "soon")
+    model = poptorch.inferenceModel(Net().eval())
+    with pytest.raises(poptorch.Error, match="POPTORCH_TIER_UP_AFTER must "
+                       "be a number of seconds"):
+        model(torch.randn(2, 6))
+
+
+def test_a_failed_background_compile_warns_and_stays_on_the_graph_tier(
+        tmp_path, monkeypatch, poptorch_log):
+    monkeypatch.setenv(tier_up.TIER_UP_VARIABLE, "0")
+    monkeypatch.setenv("POPTORCH_CACHE_DIR", str(tmp_path))
+    nets, (auto, graph) = _pair(["auto", "graph"])
+    x, y = _data(8, 1)
+    torch.testing.assert_close(auto(x, y), graph(x, y))
+    worker = _tiers(auto)._compile._process
+    worker.kill()                     # the worker dies before finishing
+    worker.wait()
+    for seed in range(3):
+        x, y = _data(8, seed)
+        torch.testing.assert_close(auto(x, y), graph(x, y))
+    assert "Background compilation with inductor failed" in poptorch_log.text
+    assert poptorch_log.text.count("Background compilation") == 1
+    assert not _tiers(auto).on_fast_tier and _tiers(auto)._compile is None
+    assert not list(tmp_path.glob("*.pexe"))
+    assert not list(tmp_path.glob("*.compiling"))
+    for name, value in nets[0].state_dict().items():
+        torch.testing.assert_close(value, nets[1].state_dict()[name])
+
+
+def test_only_one_live_process_holds_the_compile_lock(tmp_path):
+    lock = str(tmp_path / "key.compiling")
+    assert tier_up._claim(lock)
+    assert not tier_up._claim(lock)          # held by this live process
+    with open(lock, "w", encoding="utf-8") as stream:
+        stream.write("999999999")            # a process that is gone
+    assert tier_up._claim(lock)
+    background.release(lock)
+    assert not os.path.exists(lock)
+
+
+@pytest.mark.slow
+def test_training_switches_to_inductor_between_calls_and_trains_the_same(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv(tier_up.TIER_UP_VARIABLE, "0")
+    monkeypatch.setenv("POPTORCH_CACHE_DIR", str(tmp_path))
+    nets, (auto, graph) = _pair(["auto", "graph"], replicas=2)
+    x, y = _data(16, 0)
+    calls = _wait_for_fast_tier(auto, x, y, graph)
+    assert calls >= 1
+    steps = _tiers(auto)._steps
+    assert set(steps) == {"update", "accumulate"}
+    assert all(isinstance(step.current, InductorStep)
+               for step in steps.values())
+    for seed in range(1, 4):
+        x, y = _data(16, seed)
+        out_auto, loss_auto = auto(x, y)
+        out_graph, loss_graph = graph(x, y)
+        torch.testing.assert_close(out_auto, out_graph, atol=1e-5,
+                                   rtol=1e-4)
+        torch.testing.assert_close(loss_auto, loss_graph, atol=1e-5,
+                                   rtol=1e-4)
+    # The weights after a hundred or more steps (the calls made while the
+    # worker compiled), the last 16 of them on different kernels.
+    for name, value in nets[0].state_dict().items():
+        torch.testing.assert_close(value, nets[1].state_dict()[name],
+                                   atol=1e-4, rtol=1e-3)
+    assert not list(tmp_path.glob("*.compiling"))
+    # A new model of the same graphs starts on the fast tier.
+    _, (warm, _) = _pair(["auto", "graph"], replicas=2)
+    warm(x, y)
+    assert _tiers(warm).on_fast_tier
+
+
+@pytest.mark.slow
+def test_inference_switches_to_inductor_compiling_once_for_two_models(
+        tmp_path, monkeypatch):
+    """Two models of the same graphs (as the processes of a poprun run):
+    one compiles, the other waits for its cache entries."""
+    monkeypatch.setenv(tier_up.TIER_UP_VARIABLE, "0")
+    monkeypatch.setenv("POPTORCH_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    net = Net().eval()
+    first, second = (poptorch.inferenceModel(net, poptorch.Options()
+                                             .deviceIterations(4))
+                     for _ in range(2))
+    x = torch.randn(8, 6)
+    start = time.monotonic()
+    for model in (first, second):
+        torch.testing.assert_close(model(x), net(x))
+        torch.testing.assert_close(model(x), net(x))
+    assert _tiers(first)._compile is not None
+    assert _tiers(second)._compile is None and _tiers(second)._waiting
+    while not (_tiers(first).on_fast_tier and _tiers(second).on_fast_tier):
+        assert time.monotonic() - start < 240
+        for model in (first, second):
+            torch.testing.assert_close(model(x), net(x))
+        time.sleep(0.2)
+    for model in (first, second):
+        torch.testing.assert_close(model(x), net(x), atol=1e-5, rtol=1e-4)
+
+
+_EXITING_PROGRAM = """
+import sys, time, torch, poptorch
+from poptorch._impl.executor import compiled_model
+net = torch.nn.Linear(6, 3)
+model = poptorch.inferenceModel(net)
+for _ in range(3):
+    model(torch.randn(2, 6))
+worker = compiled_model(model).session.tiers._compile._process
+print(worker.pid, flush=True)
+time.sleep(2)       # the worker is importing or compiling: exit now
+"""
+
+
+@pytest.mark.slow
+def test_exiting_during_a_background_compile_leaves_nothing_behind(
+        tmp_path):
+    environment = dict(os.environ, POPTORCH_TIER_UP_AFTER="0",
+                       POPTORCH_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", _EXITING_PROGRAM],
+                            capture_output=True, text=True, timeout=120,
+                            env=environment)
+    assert result.returncode == 0, result.stderr
+    worker = int(result.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
+    assert not list(tmp_path.glob("*.pexe"))
+    assert not list(tmp_path.glob("*.compiling"))
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as stream:
+        return stream.read().split()[2] != "Z"
+
+
+def test_a_file_exported_by_the_graph_backend_loads_into_an_auto_model(
+        tmp_path, monkeypatch):
+    """Files of earlier versions, whose default was "graph", still load."""
+    monkeypatch.delenv("POPTORCH_BACKEND", raising=False)
+    path = tmp_path / "graph.poptorch"
+    torch.manual_seed(0)
+    net = Net().eval()
+    exported = poptorch.inferenceModel(
+        net, poptorch.Options().setBackend("graph"))
+    x = torch.randn(4, 6)
+    exported.compileAndExport(path, x, export_model=False)
+    fresh = poptorch.inferenceModel(net)
+    fresh.loadExecutable(path)
+    assert compiled_model(fresh).session.backend.name == "auto"
+    torch.testing.assert_close(fresh(x), net(x))
