@@ -132,7 +132,7 @@ class FaultMonitor:
             host, pid = self._store.get(f"host/{rank}").decode().split()
             self._hosts[rank] = (host, int(pid))
         host, pid = self._hosts[rank]
-        return host == socket.gethostname() and not _process_exists(pid)
+        return host == socket.gethostname() and not process_exists(pid)
 
     def _processes_behind(self, sequence: Optional[int]) -> List[int]:
         if sequence is None:
@@ -242,7 +242,7 @@ class FaultMonitor:
                      f"{self._rank}: {error}")
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
     """Whether process ``pid`` of this host still runs (a zombie waiting
     for its parent to collect it has ended)."""
     try:

@@ -33,6 +33,7 @@ import torch
 
 from ...errors import Error
 from ..backends import get_backend
+from ..distributed.faults import process_exists
 from ..backends.in_place import Donation
 from ..executable_cache import (ExecutableCache, entry_key, executable_key,
                                 ENTRY_SUFFIX, load_cached, prepare_directory,
@@ -276,12 +277,4 @@ def _lock_alive(lock: Optional[str]) -> bool:
             pid = int(stream.read().strip() or 0)
     except (OSError, TypeError, ValueError):
         return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid > 0 and process_exists(pid)
