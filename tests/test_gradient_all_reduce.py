@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from poptorch._impl.distributed import gradients, process_group
+from poptorch._impl.distributed import collectives, gradients, process_group
 
 PROCESSES = 3
 
@@ -47,12 +47,16 @@ def _net():
         torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
-def _sgd_step_graph(net, reduce):
+def _sgd_step_graph(net, average):
     """make_fx graph of (x, y, *params) -> params after one SGD step
-    (lr 0.1) on the all-reduced gradients."""
+    (lr 0.1) on the gradients all-reduced by ``GradientAllReduce``, its
+    token created first, as a training step creates it."""
     names = [name for name, _ in net.named_parameters()]
 
     def step(x, y, *params):
+        reduce = gradients.GradientAllReduce(average,
+                                             collectives.new_token(x))
+
         def loss(weights):
             out = torch.func.functional_call(net, weights, (x,))
             return torch.nn.functional.cross_entropy(out, y)
@@ -99,7 +103,7 @@ def test_reordered_step_gives_each_parameter_its_reduced_gradient(
     monkeypatch.setattr(gradients, "FIRST_BUCKET_BYTES", 500)
     monkeypatch.setattr(gradients, "BUCKET_BYTES", 500)
     net = _net()
-    graph = _sgd_step_graph(net, gradients.GradientAllReduce(average))
+    graph = _sgd_step_graph(net, average)
     gradients.start_all_reduces_early(graph.graph)
     graph.recompile()
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
@@ -115,7 +119,7 @@ def test_the_last_layers_collectives_start_before_the_backward_pass_ends(
         monkeypatch):
     monkeypatch.setattr(gradients, "FIRST_BUCKET_BYTES", 500)
     monkeypatch.setattr(gradients, "BUCKET_BYTES", 500)
-    graph = _sgd_step_graph(_net(), gradients.GradientAllReduce(True))
+    graph = _sgd_step_graph(_net(), True)
     order = list(graph.graph.nodes)
     traced_starts = [order.index(n) for n in order
                      if n.target is torch.ops.poptorch.all_reduce_start_
@@ -151,9 +155,10 @@ def test_no_operation_moves_above_an_in_place_write(group):
         doubled = g * 2
         a.add_(1)
         flat = torch.cat([doubled, view * 3])
-        torch.ops.poptorch.all_reduce_start_(flat, 0)
+        token = flat.new_empty(0)
+        torch.ops.poptorch.all_reduce_start_(flat, 0, token)
         later = a.sum()
-        torch.ops.poptorch.all_reduce_wait_(flat, 0, False)
+        torch.ops.poptorch.all_reduce_wait_(flat, 0, False, token)
         return flat, later
 
     graph = make_fx(step, tracing_mode="fake")(torch.zeros(2),
@@ -180,8 +185,9 @@ def test_random_draws_keep_their_order(group):
     def step(g):
         first = torch.rand_like(g)
         flat = torch.cat([g * torch.rand_like(g)])
-        torch.ops.poptorch.all_reduce_start_(flat, 0)
-        torch.ops.poptorch.all_reduce_wait_(flat, 0, True)
+        token = flat.new_empty(0)
+        torch.ops.poptorch.all_reduce_start_(flat, 0, token)
+        torch.ops.poptorch.all_reduce_wait_(flat, 0, True, token)
         return flat, first
 
     graph = make_fx(step, tracing_mode="fake")(torch.zeros(4))
@@ -197,3 +203,45 @@ def test_a_step_without_collectives_is_left_as_traced():
     before = [n.name for n in graph.graph.nodes]
     gradients.start_all_reduces_early(graph.graph)
     assert [n.name for n in graph.graph.nodes] == before
+
+
+@pytest.mark.slow
+def test_every_backend_runs_the_collectives_in_the_traced_order(
+        group, monkeypatch):
+    """Processes running one step compiled by different backends (tiered
+    compilation switches each process on its own) must start the same
+    collectives in the same order: Inductor, which reorders independent
+    operations, keeps the traced order of the operations that write the
+    step's token (bucket starts before waits; gathers as traced)."""
+    from poptorch._impl.backends import get_backend
+
+    gathered = []
+    group.all_gather = lambda part, what: (
+        gathered.append(part.numel()) or torch.cat([part] * PROCESSES))
+
+    def step(a, b, c):
+        token = collectives.new_token(a)
+        reduced = gradients.GradientAllReduce(True, token)(
+            [c * 3, b.sin(), a * 2])
+        first = torch.ops.poptorch.all_gather(reduced[2] * 3, PROCESSES,
+                                              token)
+        second = torch.ops.poptorch.all_gather(reduced[1], PROCESSES, token)
+        third = torch.ops.poptorch.all_gather(reduced[0] * 2, PROCESSES,
+                                              token)
+        return third.sum() + second.sum(), first
+
+    monkeypatch.setattr(gradients, "FIRST_BUCKET_BYTES", 50)
+    monkeypatch.setattr(gradients, "BUCKET_BYTES", 50)
+    inputs = [torch.randn(10), torch.randn(20), torch.randn(30)]
+    graph = make_fx(step, tracing_mode="fake")(*inputs)
+    gradients.start_all_reduces_early(graph.graph)
+    graph.recompile()
+    orders = []
+    for backend in ("graph", "inductor"):
+        group.events.clear()
+        gathered.clear()
+        get_backend(backend).compile(graph, inputs, None)(*inputs)
+        orders.append((list(group.events), list(gathered)))
+    assert orders[0] == orders[1]
+    assert orders[0] == ([("start", 0), ("start", 1), ("wait", 0),
+                          ("wait", 1)], [10, 20, 30])

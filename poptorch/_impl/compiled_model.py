@@ -411,9 +411,13 @@ def _compile_training(spec: ModelSpec, inputs: CompileInputs,
         return StepSettings.build(options, spec.plan, layout, step_replicas)
 
     settings = settings_for(engine.step_replicas(layout))
+    processes = distributed.start_training(options, state, inputs.micro,
+                                           bool(inputs.replicas.grouped))
+    host_params = [spec.host_params[i] for i in training.trainable]
+    placement = processes.shard(options, host_params, stage_per_process,
+                                engine.runs_stages)
     optimizer_state = OptimizerDeviceState(
-        training, [spec.host_params[i] for i in training.trainable], state,
-        settings.attributes)
+        training, host_params, state, settings.attributes, placement)
     state.optimizer = optimizer_state.initial(spec.optimizer, spec.plan)
     hyper = optimizer_state.hyper_values(spec.plan)
     location = OptimizerStateLocation(
@@ -422,8 +426,6 @@ def _compile_training(spec: ModelSpec, inputs: CompileInputs,
                "frozen": [state.params[i] for i in training.frozen],
                "buffers": state.buffers[0], "state": state.optimizer,
                "hyper": hyper, "inputs": inputs.micro}
-    processes = distributed.start_training(options, state, inputs.micro,
-                                           bool(inputs.replicas.grouped))
     engine.compile_training(inputs, TrainingSetup(
         training, settings, settings_for, example, processes,
         stage_per_process))

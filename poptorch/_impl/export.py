@@ -160,7 +160,8 @@ def write(filename: str, wrapped: WrappedModel, compiled, export_model: bool,
     if save_rng_state:
         tensors["rng_state"] = compiled.rng.state.cpu()
     if export_model and wrapped.training:
-        for index, tensor in enumerate(state.optimizer):
+        whole = compiled.training.optimizer_state.whole_state()
+        for index, tensor in enumerate(whole):
             tensors[f"optimizer_state/{index}"] = tensor.detach().cpu()
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -309,10 +310,11 @@ class ExportedFile:
                 raise self._error(
                     f"it holds {self.manifest['optimizer_state_size']} "
                     f"optimizer state tensors; the model has {len(current)}")
-            compiled.state.optimizer = [
+            optimizer_state = compiled.training.optimizer_state
+            compiled.state.optimizer = optimizer_state.placed([
                 self.tensors[f"optimizer_state/{index}"].to(
                     device=tensor.device, dtype=tensor.dtype)
-                for index, tensor in enumerate(current)]
+                for index, tensor in enumerate(current)])
 
     def model(self) -> Dict[str, Any]:
         """The pickled module, optimizer and options (trusted files only)."""

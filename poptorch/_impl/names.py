@@ -63,6 +63,7 @@ import torch
 from ..enums import OutputMode
 from ..errors import Error
 from .blocks import NAME_SCOPE_KEY
+from .distributed.sharding import gathered_rows
 from .optimizers.adam import AdamRule
 from .optimizers.lamb import LAMBRule
 from .optimizers.rmsprop import RMSpropRule
@@ -75,6 +76,9 @@ MODULE_KEY = "poptorch_module"
 #: ``graph.meta`` key of a step's parameter, gradient and optimizer-state
 #: names (name -> node; None for those another step of the model computes).
 NAMED_TENSORS_KEY = "poptorch_named_tensors"
+#: ``graph.meta`` key of the named tensors that are rows of a sharded
+#: tensor: name -> (the whole tensor's shape, the number of processes).
+ROWS_KEY = "poptorch_named_rows"
 
 _ADAM_STATE = {"exp_avg": "Accl1___", "exp_avg_sq": "Accl2___",
                "step": "Step___"}
@@ -107,14 +111,19 @@ def optimizer_state_name(rule: UpdateRule, state: str,
 
 
 def mark_named_tensors(graph: torch.fx.GraphModule,
-                       named: Dict[str, Optional[torch.fx.Node]]) -> None:
+                       named: Dict[str, Optional[torch.fx.Node]],
+                       rows: Optional[Dict[str, Tuple[List[int], int]]]
+                       = None) -> None:
     """Record the parameter, gradient and optimizer-state names of a
     captured step (``None``: a name the model has that this step does not
-    compute). The graph's metadata keeps the nodes' names, not the nodes:
-    compilers deep-copy graphs with their metadata."""
+    compute), and of those that are this process's rows of a sharded tensor
+    (replicated tensor sharding), the whole tensor's shape and the number
+    of processes. The graph's metadata keeps the nodes' names, not the
+    nodes: compilers deep-copy graphs with their metadata."""
     graph.meta[NAMED_TENSORS_KEY] = {
         name: None if node is None else node.name
         for name, node in named.items()}
+    graph.meta[ROWS_KEY] = dict(rows or {})
 
 
 def named_tensors(graph: torch.fx.GraphModule
@@ -256,10 +265,14 @@ class Anchors:
         names = tensor_names(graph, self.module_namescope)
         named = named_tensors(graph)
         nodes, per_update = [], []
+        rows = graph.meta.get(ROWS_KEY, {})
         for short, (long_name, _, _) in self.anchored.items():
             if named is not None and long_name in named:
                 self.per_update.add(short)
-                if named[long_name] is not None:
+                if long_name in rows:
+                    per_update.append(gathered_rows(graph, named[long_name],
+                                                    *rows[long_name]))
+                elif named[long_name] is not None:
                     per_update.append(named[long_name])
             else:
                 nodes.append(self._node(names, long_name, short, step,

@@ -34,7 +34,7 @@ from .backends.in_place import Donation
 from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace, trace_user_code)
-from .distributed.gradients import start_all_reduces_early
+from .distributed.gradients import GradientExchange, start_all_reduces_early
 from .floating_point_checks import step_flags
 from .names import (gradient_name, mark_named_tensors, optimizer_state_name,
                     updated_name)
@@ -108,29 +108,12 @@ class TrainingLayout:
         ones follow them)."""
         return sum(len(g.variable_hyper) for g in self.groups)
 
-
-    def group_states(self, params: List[torch.Tensor],
-                     torch_states: List[Dict]
-                     ) -> List[Dict[str, List[torch.Tensor]]]:
-        """Each group's initial optimizer state for the trainable ``params``
-        (device tensors, in trainable order) from the torch states."""
-        return [group.rule.init_state([params[p] for p in group.positions],
-                                      [torch_states[p]
-                                       for p in group.positions])
-                for group in self.groups]
-
     def flatten_state(self, states: Sequence[Dict[str, List[torch.Tensor]]]
                       ) -> List[torch.Tensor]:
         """The flat optimizer state of per-group states (inverse of
         ``unflatten_state``)."""
         return [tensor for group, state in zip(self.groups, states)
                 for name in group.rule.state_names for tensor in state[name]]
-
-    def initial_state(self, params: List[torch.Tensor],
-                      torch_states: List[Dict]) -> List[torch.Tensor]:
-        """Flat optimizer state for the trainable ``params`` starting from
-        the torch states."""
-        return self.flatten_state(self.group_states(params, torch_states))
 
     def hyper_values(self, plan: OptimizerPlan,
                      device: torch.device) -> List[torch.Tensor]:
@@ -227,9 +210,12 @@ class StepSettings:
 
 def apply_rules(layout: TrainingLayout, params: List[torch.Tensor],
                 grads: List[torch.Tensor], state: Sequence[torch.Tensor],
-                hyper: Sequence[torch.Tensor]):
+                hyper: Sequence[torch.Tensor],
+                exchange: Optional[GradientExchange] = None):
     """Each param group's optimizer rule applied to the trainable
-    ``params``: new params and the new flat optimizer state."""
+    ``params`` (this process's rows of them with replicated tensor
+    sharding, whose per-tensor norms ``exchange`` totals): new params and
+    the new flat optimizer state."""
     new_params, new_state, hyper_start = list(params), [], 0
     for group, group_state in zip(layout.groups,
                                   layout.unflatten_state(state)):
@@ -240,7 +226,8 @@ def apply_rules(layout: TrainingLayout, params: List[torch.Tensor],
         hyper_start += len(names)
         updated, updated_state = group.rule.update(
             [params[p] for p in group.positions],
-            [grads[p] for p in group.positions], group_state, group_hyper)
+            [grads[p] for p in group.positions], group_state, group_hyper,
+            exchange.norms(group.positions) if exchange else None)
         for p, tensor in zip(group.positions, updated):
             new_params[p] = tensor
         for name in group.rule.state_names:
@@ -249,19 +236,25 @@ def apply_rules(layout: TrainingLayout, params: List[torch.Tensor],
 
 
 def _apply_update(layout: TrainingLayout, settings: StepSettings,
-                  scaling: StepScaling, trainable, grads, state, hyper):
+                  scaling: StepScaling, trainable, grads, state, hyper,
+                  exchange: Optional[GradientExchange]):
     """New params, new optimizer state and the gradients the rules applied
     (reduced, unscaled and clipped). With nothing to train, the state
-    stays as it is."""
+    stays as it is. With an ``exchange`` that shards, the rules update this
+    process's rows of the parameters, gathered whole afterwards."""
     if not trainable:
         return [], list(state), []
     grads = scaling.unscale(grads, settings.gradients.divisor())
     finite = scaling.finite(grads)
     grads = scaling.clip(grads)
-    new_params, new_state = apply_rules(layout, trainable, grads, state,
-                                        hyper)
-    return (*scaling.finish(finite, trainable, new_params,
-                            state[:layout.state_size()], new_state), grads)
+    local = exchange.local(trainable) if exchange else trainable
+    new_local, new_state = apply_rules(layout, local, grads, state, hyper,
+                                       exchange)
+    new_local, new_state = scaling.finish(
+        finite, local, new_local, state[:layout.state_size()], new_state)
+    new_params = (exchange.gather(new_local, trainable) if exchange
+                  else new_local)
+    return new_params, new_state, grads
 
 
 def micro_batch_forward(call: ModelCall, analysis: ModelAnalysis,
@@ -301,7 +294,7 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
                         accumulated: bool,
                         forward: Optional[Callable] = None,
                         combine_losses: Optional[Callable] = None,
-                        reduce_gradients: Optional[Callable] = None
+                        exchange: Optional[GradientExchange] = None
                         ) -> torch.fx.GraphModule:
     """Trace one micro-batch step; ``update`` selects the optimizer-step
     variant, ``accumulated`` whether a running gradient sum is an input.
@@ -309,16 +302,20 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     (replicas run it vectorised, see ``replication/replicas.py``), and
     ``combine_losses`` turns the losses it returns (one per replica) into
     the value the backward pass starts from;
-    ``reduce_gradients(grads)`` combines the step's gradients with other
-    processes' before the update; its collectives start as soon as their
-    gradients exist (``distributed/gradients.py``). With
+    ``exchange`` combines the step's gradients with other processes' (in
+    an n-process run): before the update, or, when it shards the running
+    buffer, as each micro-batch's are added to it; its collectives start
+    as soon as their gradients exist (``distributed/gradients.py``,
+    ``distributed/sharding.py``). With
     ``settings.finite_checks`` the step also returns its floating-point
     flags (``floating_point_checks.py``) before the model's outputs."""
     if forward is None:
         forward = functools.partial(micro_batch_forward, call, analysis)
     check_gradients = settings.attributes.automatic is None
-    running = (settings.gradients.start(example["trainable"])
+    running = (settings.gradients.start(_accumulators(example, exchange))
                if accumulated else [])
+    rows_done = (accumulated and exchange is not None
+                 and exchange.reduces_each_micro_batch)
     sizes = [len(example["trainable"]), len(example["frozen"]),
              len(example["buffers"]), len(example["state"]),
              len(example["hyper"]), len(running)]
@@ -326,8 +323,11 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     def step(*flat):
         trainable, frozen, buffers, state, hyper, running, inputs = split_flat(
             flat, sizes)
-        scaling = settings.attributes.bind(hyper[layout.hyper_size():],
-                                           state[layout.state_size():])
+        if exchange is not None and flat:
+            exchange.begin(flat[0])
+        scaling = settings.attributes.bind(
+            hyper[layout.hyper_size():], state[layout.state_size():],
+            exchange.statistics if exchange else None)
 
         trainable = [t.detach().requires_grad_() for t in trainable]
         params = layout.merge(trainable, frozen)
@@ -340,6 +340,9 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             grads = _gradients(value, trainable)
         outputs = [t.detach() for t in outputs]
         trainable = [t.detach() for t in trainable]
+        if rows_done:
+            grads = exchange.reduce_micro_batch(
+                settings.gradients.in_buffer_dtypes(running, grads))
         if accumulated:
             grads = (settings.gradients.add(running, grads) if trainable
                      else running)
@@ -351,10 +354,11 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             return written + grads + flags + outputs
         checked = list(grads)
         grads = settings.gradients.gradients(grads)
-        if reduce_gradients is not None:
-            grads = reduce_gradients(grads)
+        if exchange is not None:
+            grads = exchange.reduce(grads, rows_done)
         new_params, new_state, applied = _apply_update(
-            layout, settings, scaling, trainable, grads, state, hyper)
+            layout, settings, scaling, trainable, grads, state, hyper,
+            exchange)
         if settings.finite_checks:
             flags = [step_flags(losses, checked if check_gradients else None,
                                 new_params, len(trainable))]
@@ -365,21 +369,33 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     with capture_scope(call.module, training_flags):
         graph = trace_user_code(step, flat)
     _name_tensors(graph, call.param_names, layout,
-                  len(analysis.written_buffers), update)
-    if reduce_gradients is not None:
+                  len(analysis.written_buffers), update, exchange)
+    if exchange is not None:
         start_all_reduces_early(graph.graph)
         graph.recompile()
     return graph
 
 
+def _accumulators(example: Dict[str, List[torch.Tensor]],
+                  exchange: Optional[GradientExchange]) -> List[torch.Tensor]:
+    """Tensors shaped as the running gradient buffer holds the trainable
+    parameters' gradients (rows, when the exchange shards it)."""
+    if exchange is None:
+        return example["trainable"]
+    return exchange.accumulators(example["trainable"])
+
+
 def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],
-                  layout: TrainingLayout, written: int, update: bool) -> None:
+                  layout: TrainingLayout, written: int, update: bool,
+                  exchange: Optional[GradientExchange]) -> None:
     """Mark PopART's names of the step's parameters (its first inputs:
     trainable, then frozen) and, for the trainable ones, of the gradients
     the optimizer applies (the update step's last outputs, taken off here),
     the updated values (its first outputs) and the optimizer state after the
     update (after the ``written`` buffers). The step that only accumulates
-    gradients has the names, without values (``names.py``)."""
+    gradients has the names, without values (``names.py``). With a sharding
+    ``exchange``, the gradients and state that are this process's rows are
+    marked with their whole shapes."""
     trainable = [param_names[i] for i in layout.trainable]
     params = trainable + [param_names[i] for i in layout.frozen]
     inputs, gradients, updated = ([None] * len(params),
@@ -396,6 +412,8 @@ def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],
     named = dict(zip(params, inputs))
     named.update(zip(map(gradient_name, trainable), gradients))
     named.update(zip(map(updated_name, trainable), updated))
+    position_of = {gradient_name(name): position
+                   for position, name in enumerate(trainable)}
     for group, group_state in zip(layout.groups,
                                   layout.unflatten_state(state)):
         for state_name, nodes in group_state.items():
@@ -404,7 +422,13 @@ def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],
                                             trainable[position])
                 if name is not None:
                     named[name] = node
-    mark_named_tensors(graph, named)
+                    position_of[name] = position
+    rows = {}
+    if exchange is not None and update:
+        rows = exchange.row_shapes({
+            name: (named[name], inputs[position].meta["val"].shape, position)
+            for name, position in position_of.items()})
+    mark_named_tensors(graph, named, rows)
 
 
 def _take_last_outputs(graph: torch.fx.GraphModule,
@@ -439,7 +463,7 @@ def step_donation(example: Dict[str, List[torch.Tensor]], running: int,
 def trace_update_step(layout: TrainingLayout, settings: StepSettings,
                       example: Dict[str, List[torch.Tensor]],
                       partial: Optional[PartialGradients] = None,
-                      reduce_gradients: Optional[Callable] = None
+                      exchange: Optional[GradientExchange] = None
                       ) -> torch.fx.GraphModule:
     """The optimizer step alone, for gradients computed outside the graph
     (multi-stage models, ``staging/staged_execution.py``):
@@ -447,9 +471,9 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
     state). The gradients are those of the scaled loss combined over the
     step's micro-batches as the running gradient buffer combines them (a
     sum, or the running mean; in the buffer's dtype). With ``partial``, the
-    other processes hold the step's other gradients; ``reduce_gradients``
-    combines the gradients with other processes' first (as in
-    ``trace_training_step``). With ``settings.finite_checks`` and
+    other processes hold the step's other gradients; ``exchange`` combines
+    the gradients with other processes' first and, when it shards, updates
+    this process's rows (as in ``trace_training_step``). With ``settings.finite_checks`` and
     parameters to update, the floating-point flags of the gradients and the
     updated values follow (``floating_point_checks.py``; no loss flag)."""
     trainable = example["trainable"]
@@ -458,13 +482,14 @@ def trace_update_step(layout: TrainingLayout, settings: StepSettings,
 
     def update(*flat):
         params, grads, state, hyper = split_flat(flat, sizes)
-        if reduce_gradients is not None:
-            grads = reduce_gradients(grads)
-        scaling = settings.attributes.bind(hyper[layout.hyper_size():],
-                                           state[layout.state_size():],
-                                           partial)
+        if exchange is not None and flat:
+            exchange.begin(flat[0])
+            grads = exchange.reduce(grads)
+        scaling = settings.attributes.bind(
+            hyper[layout.hyper_size():], state[layout.state_size():],
+            exchange.statistics if exchange else partial)
         new_params, new_state, _ = _apply_update(
-            layout, settings, scaling, params, grads, state, hyper)
+            layout, settings, scaling, params, grads, state, hyper, exchange)
         flags = []
         if settings.finite_checks and params:
             flags = [step_flags(params[0].new_zeros(0),

@@ -10,7 +10,9 @@ data, and the n processes train one global model of n x R replicas:
    options (``consistency.py``) and take process 0's weights, buffers and
    optimizer state, so they start from one model;
 3. each optimizer step all-reduces the gradients before the update
-   (``gradients.py``), averaging for ``ReductionType.Mean``;
+   (``gradients.py``), averaging for ``ReductionType.Mean``; with
+   replicated tensor sharding each process keeps and updates rows of the
+   optimizer state instead (``sharding.py``);
 4. a process that fails makes the others raise ``poptorch.Error`` naming
    it, within the run's timeout (``faults.py``).
 
@@ -18,7 +20,7 @@ Inference models run independently in each process (no collective), so a
 program may evaluate on one process only.
 """
 import itertools
-from typing import Callable, List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -26,8 +28,9 @@ from ...enums import ReductionType
 from ...errors import Error
 from . import consistency, process_group
 from .environment import ProcessEnvironment, whole_replicas_per_instance
-from .gradients import GradientAllReduce
+from .gradients import GradientExchange
 from .pipeline_processes import PipelineProcesses
+from .sharding import ShardedExchange, Sharding, StatePlacement
 
 _compilations = itertools.count()
 
@@ -45,18 +48,38 @@ def process_seed(options) -> Optional[int]:
 
 class TrainingProcesses:
     """A training model's part in the run: in an n-process run, its
-    process group; in a one-process run, nothing to do."""
+    process group and how its optimizer state is sharded; in a one-process
+    run, nothing to do."""
 
     def __init__(self, group: Optional[process_group.ProcessGroup]) -> None:
         self.group = group
+        self.sharding: Optional[Sharding] = None
 
-    def reduce_gradients(self, reduction: ReductionType
-                         ) -> Optional[Callable[[List[torch.Tensor]],
-                                                List[torch.Tensor]]]:
-        """The update graph's gradient all-reduce (None: one process)."""
+    def shard(self, options, trainable: Sequence[torch.Tensor],
+              stage_per_process: bool, staged: bool
+              ) -> Optional[StatePlacement]:
+        """Decide how the optimizer state of the ``trainable`` parameters is
+        kept (replicated tensor sharding, ``sharding.py``); return where it
+        lives for ``OptimizerDeviceState`` (None: whole, one process).
+        ``staged``: a multi-stage model, whose gradients are summed outside
+        the captured steps, so its running gradient buffer stays whole."""
+        processes = 1 if self.group is None else self.group.size
+        self.sharding = Sharding.build(options, trainable, processes,
+                                       stage_per_process, staged)
         if self.group is None:
             return None
-        return GradientAllReduce(average=reduction == ReductionType.Mean)
+        return StatePlacement(self.sharding, self.group)
+
+    def exchange(self, reduction: ReductionType
+                 ) -> Optional[GradientExchange]:
+        """What the training steps do with the other processes: the
+        gradient all-reduce, or the sharded update (None: one process)."""
+        if self.group is None:
+            return None
+        average = reduction == ReductionType.Mean
+        if self.sharding is not None:
+            return ShardedExchange(self.sharding, average)
+        return GradientExchange(average)
 
     def pipelines(self, stages: int) -> Optional[PipelineProcesses]:
         """For a model of ``stages`` stages whose processes each run one
@@ -82,10 +105,11 @@ def stage_processes(options) -> int:
 def start_training(options, state, micro: List[torch.Tensor],
                    grouped: bool) -> TrainingProcesses:
     """For a training model compiled with ``options`` from the device
-    ``state`` (weights, buffers, initial optimizer state) and the example
-    micro-batch ``micro``: in an n-process run, join the run, check that
-    every process compiles the same model, and start from process 0's
-    weights, buffers and optimizer state."""
+    ``state`` (weights and buffers) and the example micro-batch ``micro``:
+    in an n-process run, join the run, check that every process compiles
+    the same model, and start from process 0's weights and buffers (the
+    optimizer state follows, through ``TrainingProcesses.shard``'s
+    placement)."""
     environment = ProcessEnvironment.from_options(options)
     if not environment.distributed:
         return TrainingProcesses(None)
@@ -103,6 +127,6 @@ def start_training(options, state, micro: List[torch.Tensor],
         group, f"model{next(_compilations)}",
         consistency.describe(options, names, tensors))
     group.broadcast_(state.params + [b for buffers in state.buffers
-                                     for b in buffers] + state.optimizer,
+                                     for b in buffers],
                      "the start-up weight broadcast")
     return TrainingProcesses(group)

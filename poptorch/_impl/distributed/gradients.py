@@ -9,53 +9,30 @@ puts them: in reverse order of the parameters (about the order in which
 the backward pass finishes them), per dtype, the first bucket closing at
 1 MiB so that communication starts early, later ones at 25 MiB.
 
-Each bucket is one flat tensor and two opaque ops:
+Each bucket is one flat tensor and two opaque ops (``collectives.py``):
 ``poptorch::all_reduce_start_`` starts its collective in the background
 and ``poptorch::all_reduce_wait_`` waits for it through the fault monitor
 (a failed peer raises ``poptorch.Error`` rather than hanging).
-``start_all_reduces_early`` then moves each start, with the operations that
-only exist to feed it, to just after the last of its gradients is
-computed, so the collectives of the last layers' gradients run while the
-backward pass of the first layers computes; the waits stay before the
-update. Every process runs the same graph, so they start the collectives in
-the same order.
+``start_all_reduces_early`` then moves each start (of an all-reduce, or of
+a sharded step's reduce-scatter), with the operations that only exist to
+feed it, to just after the last of its gradients is computed, so the
+collectives of the last layers' gradients run while the backward pass of
+the first layers computes; the waits stay before the update. Every process
+runs the same graph, so they start the collectives in the same order.
+
+``GradientExchange`` is what a training step asks of the run's processes:
+here, the all-reduce; with replicated tensor sharding, the reduce-scatter,
+shard updates and all-gather of ``sharding.py``.
 """
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..profiling.ranges import profile_range
-from . import process_group
+from ..optimizers.rule import TensorNorms
+from . import collectives
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
-
-
-@torch.library.custom_op("poptorch::all_reduce_start_",
-                         mutates_args=("flat",))
-def _all_reduce_start_(flat: torch.Tensor, bucket: int) -> None:
-    with profile_range("all-reduce"):
-        process_group.current().start_all_reduce_(flat, bucket)
-
-
-@_all_reduce_start_.register_fake
-def _all_reduce_start_fake(flat: torch.Tensor, bucket: int) -> None:
-    return None
-
-
-@torch.library.custom_op("poptorch::all_reduce_wait_",
-                         mutates_args=("flat",))
-def _all_reduce_wait_(flat: torch.Tensor, bucket: int,
-                      average: bool) -> None:
-    with profile_range("all-reduce wait"):
-        process_group.current().finish_all_reduce_(
-            flat, bucket, average, "the gradient all-reduce")
-
-
-@_all_reduce_wait_.register_fake
-def _all_reduce_wait_fake(flat: torch.Tensor, bucket: int,
-                          average: bool) -> None:
-    return None
 
 
 def buckets(grads: List[torch.Tensor]) -> List[List[int]]:
@@ -78,34 +55,116 @@ def buckets(grads: List[torch.Tensor]) -> List[List[int]]:
 
 class GradientAllReduce:
     """A function of the step's gradients, traced into the update graph,
-    returning them summed (``average``: averaged) over the processes."""
+    returning them summed (``average``: averaged) over the processes; its
+    collectives are ordered by the step's ``token`` (``collectives.py``),
+    created where the step starts, so that nothing holds the collectives
+    back."""
 
-    def __init__(self, average: bool) -> None:
+    def __init__(self, average: bool, token: torch.Tensor) -> None:
         self.average = average
+        self.token = token
 
     def __call__(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        groups = buckets(grads)
+        return self.wait(grads, self.start(grads))
+
+    def start(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Start the collectives of ``grads``' buckets; their flat
+        tensors, for ``wait``."""
         flats = []
-        for bucket, positions in enumerate(groups):
+        for bucket, positions in enumerate(buckets(grads)):
             flat = torch.cat([grads[i].reshape(-1) for i in positions])
-            torch.ops.poptorch.all_reduce_start_(flat, bucket)
+            torch.ops.poptorch.all_reduce_start_(flat, bucket, self.token)
             flats.append(flat)
+        return flats
+
+    def wait(self, grads: List[torch.Tensor],
+             flats: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``grads`` reduced: wait for the collectives ``start`` began."""
         reduced = list(grads)
-        for bucket, (positions, flat) in enumerate(zip(groups, flats)):
-            torch.ops.poptorch.all_reduce_wait_(flat, bucket, self.average)
+        for bucket, (positions, flat) in enumerate(zip(buckets(grads),
+                                                       flats)):
+            torch.ops.poptorch.all_reduce_wait_(flat, bucket, self.average,
+                                                self.token)
             pieces = flat.split([grads[i].numel() for i in positions])
             for index, piece in zip(positions, pieces):
                 reduced[index] = piece.view(grads[index].shape)
         return reduced
 
 
+class GradientExchange:
+    """What a training step of an n-process run does with the other
+    processes, traced into its graphs: the gradients all-reduced (summed,
+    or averaged with ``average``) once per optimizer step, before the
+    update, which every process computes whole. ``sharding.py``'s
+    ``ShardedExchange`` updates rows of the parameters instead."""
+
+    #: Whether the running gradient buffer holds reduced gradients (each
+    #: micro-batch's reduced as it is added), rather than this process's.
+    reduces_each_micro_batch = False
+    #: Gradient statistics spread over the processes (clipping, automatic
+    #: loss scaling): None, as every process holds every gradient.
+    statistics = None
+
+    def __init__(self, average: bool) -> None:
+        self.average = average
+        self.token: Optional[torch.Tensor] = None
+
+    def begin(self, like: torch.Tensor) -> None:
+        """A step is traced: its collectives are ordered through a new
+        token (``collectives.py``) on ``like``'s device."""
+        self.token = collectives.new_token(like)
+
+    def reduce_micro_batch(self, grads: List[torch.Tensor]
+                           ) -> List[torch.Tensor]:
+        """One micro-batch's gradients as the running buffer adds them:
+        this process's."""
+        return grads
+
+    def reduce(self, grads: List[torch.Tensor],
+               rows_done: bool = False) -> List[torch.Tensor]:
+        """The optimizer step's gradients combined over the processes."""
+        return GradientAllReduce(self.average, self.token)(grads)
+
+    def accumulators(self, params: List[torch.Tensor]
+                     ) -> List[torch.Tensor]:
+        """Tensors shaped as the running gradient buffer holds each
+        parameter's gradient: the parameters."""
+        return params
+
+    def local(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The parts of the trainable parameters this process updates: all
+        of them."""
+        return params
+
+    def gather(self, updated: List[torch.Tensor],
+               params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The whole updated parameters from this process's parts."""
+        return updated
+
+    def norms(self, positions: Sequence[int]) -> Optional[TensorNorms]:
+        """How the update of the trainable ``positions`` computes per-tensor
+        norms (LAMB): None, the tensors are whole."""
+        return None
+
+    def row_shapes(self, named: Dict[str, Tuple[torch.fx.Node, torch.Size,
+                                                int]]
+                   ) -> Dict[str, Tuple[List[int], int]]:
+        """Of the update graph's ``named`` gradients and optimizer state
+        (name: node, the parameter's shape, its trainable position), those
+        that are this process's rows, with the whole shape and the number
+        of processes: none."""
+        return {}
+
+
 def start_all_reduces_early(graph: torch.fx.Graph) -> None:
-    """Reorder ``graph`` so that each all-reduce start, and the operations
-    that only feed it, run as soon as their inputs exist. No operation
-    moves above one that writes to a tensor in place or draws random
-    numbers (writes, reads and random draws stay in the traced order)."""
-    starts = [node for node in graph.nodes
-              if node.target is torch.ops.poptorch.all_reduce_start_.default]
+    """Reorder ``graph`` so that each collective start (all-reduce or
+    reduce-scatter), and the operations that only feed it, run as soon as
+    their inputs exist. No operation moves above one that writes to a
+    tensor in place or draws random numbers (writes, reads and random draws
+    stay in the traced order)."""
+    targets = {getattr(torch.ops.poptorch, name).default
+               for name in collectives.STARTS}
+    starts = [node for node in graph.nodes if node.target in targets]
     if not starts:
         return
     early: Set[torch.fx.Node] = set()

@@ -7,13 +7,14 @@ the CPU or NCCL on CUDA devices, rank = ``processId``, world size =
 program created itself is used as it is when its rank and size agree with
 the options. Collectives are started asynchronously and waited for through
 the ``FaultMonitor``, so a failed peer raises ``poptorch.Error`` instead of
-hanging; gradient all-reduces are waited for later than they start, so
-that they run while the step computes (``gradients.py``).
+hanging; gradient all-reduces and reduce-scatters are waited for later than
+they start, so that they run while the step computes (``gradients.py``,
+``sharding.py``).
 """
 import atexit
 import datetime
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,8 @@ class ProcessGroup:
                                     hosts_store=_hosts_store(self.rank))
         self.blocking = dist.get_backend() == "gloo"
         self._pending: Dict[int, Tuple[dist.Work, int]] = {}
+        self._scattering: Dict[int, Tuple[dist.Work, int,
+                                          Optional[torch.Tensor]]] = {}
 
     def start_all_reduce_(self, tensor: torch.Tensor, key: int) -> None:
         """Start summing ``tensor`` over the processes, in place; the
@@ -62,6 +65,54 @@ class ProcessGroup:
         self.monitor.wait(work, what, sequence, self.blocking)
         if average:
             tensor.div_(self.size)
+
+    def start_reduce_scatter(self, flat: torch.Tensor, key: int) -> None:
+        """Start summing ``flat`` over the processes, for this process's
+        part of the sum (row ``rank`` of ``flat`` viewed as ``[size,
+        -1]``); the operation runs in the background until
+        ``finish_reduce_scatter(key)``. On gloo, whose reduce-scatter takes
+        twice as long as its all-reduce of the same tensor (21 MB between
+        two CPU processes: 49 ms against 21 ms), ``flat`` is all-reduced in
+        place and the row taken from it."""
+        if key in self._scattering:
+            raise Error(f"Distributed run: reduce-scatter {key} started "
+                        "twice without waiting for it")
+        sequence = self.monitor.start()
+        if self.blocking:
+            part = None
+            work = dist.all_reduce(flat, async_op=True)
+        else:
+            part = flat.new_empty(flat.numel() // self.size)
+            work = dist.reduce_scatter_single(part, flat, async_op=True)
+        self._scattering[key] = (work, sequence, part)
+
+    def finish_reduce_scatter(self, flat: torch.Tensor, key: int,
+                              average: bool, what: str) -> torch.Tensor:
+        """Wait for the reduce-scatter ``key`` of ``flat``; return this
+        process's part of the sum (with ``average``, divided by the number
+        of processes)."""
+        work, sequence, part = self._scattering.pop(key)
+        self.monitor.wait(work, what, sequence, self.blocking)
+        if part is None:
+            part = flat.view(self.size, -1)[self.rank].clone()
+        if average:
+            part.div_(self.size)
+        return part
+
+    def all_gather(self, part: torch.Tensor, what: str) -> torch.Tensor:
+        """The processes' ``part`` tensors, one after another in rank
+        order, as one flat tensor."""
+        whole = part.new_empty(part.numel() * self.size)
+        sequence = self.monitor.start()
+        work = dist.all_gather_single(whole, part.reshape(-1), async_op=True)
+        self.monitor.wait(work, what, sequence, self.blocking)
+        return whole
+
+    def all_reduce_(self, tensor: torch.Tensor, what: str) -> None:
+        """Sum ``tensor`` over the processes, in place."""
+        sequence = self.monitor.start()
+        work = dist.all_reduce(tensor, async_op=True)
+        self.monitor.wait(work, what, sequence, self.blocking)
 
     def broadcast_(self, tensors: List[torch.Tensor], what: str) -> None:
         """Give every process process 0's values of ``tensors`` (in

@@ -78,7 +78,10 @@ class SingleGraphEngine(Engine):
                                                update=False)
         graphs = {name: session.graph(name, graph)
                   for name, graph in graphs.items()}
+        exchange = setup.processes.exchange(settings.reduction)
         trainable = setup.example["trainable"]
+        if exchange is not None:
+            trainable = exchange.accumulators(trainable)
         zeros = (settings.gradients.start(trainable)
                  if self._sums_gradients(settings, session) else [])
         written = len(inputs.analysis.written_buffers)
@@ -101,8 +104,7 @@ class SingleGraphEngine(Engine):
             update=update,
             accumulated=(self._sums_gradients(settings, inputs.session)
                          if update else True),
-            reduce_gradients=(setup.processes.reduce_gradients(
-                settings.reduction) if update else None))
+            exchange=setup.processes.exchange(settings.reduction))
 
     @staticmethod
     def _sums_gradients(settings: StepSettings, session) -> bool:

@@ -89,7 +89,7 @@ class StagedEngine(Engine):
             layout.gradient_accumulation * layout.replicas,
             (setup.processes.pipelines(self.stage_count)
              if setup.stage_per_process else None),
-            setup.processes.reduce_gradients(setup.settings.reduction))
+            setup.processes.exchange(setup.settings.reduction))
 
     def run_inference(self, params: List[torch.Tensor],
                       buffer_sets: List[List[torch.Tensor]],

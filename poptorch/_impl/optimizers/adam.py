@@ -5,16 +5,16 @@ AdamW is Adam with decoupled weight decay (the params are multiplied by
 bias corrections (``bias_correction=False``). ``amsgrad`` is supported for
 torch.optim objects (poptorch.optim refuses it, as the spec says).
 """
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
-                   add_scalar, add_scaled, cast, compute_dtypes, decay_average,
-                   dtypes_of, in_dtype_of, is_zero_constant, lerp, per_param,
-                   sorted_constants, stacked, started_state, state_tensors,
-                   step_tensors, sub_scaled)
+from .rule import (DEFAULT_ACCUM_TYPE, TensorNorms, TorchState, UpdateRule,
+                   accum_type_of, add_scalar, add_scaled, cast, compute_dtypes,
+                   decay_average, dtypes_of, in_dtype_of, is_zero_constant,
+                   lerp, per_param, sorted_constants, stacked, started_state,
+                   state_tensors, step_tensors, sub_scaled)
 
 
 def first_and_second_moments(grads: List[Tensor], exp_avg: List[Tensor],
@@ -74,7 +74,8 @@ class AdamRule(UpdateRule):
         return state
 
     def update(self, params: List[Tensor], grads: List[Tensor],
-               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor]
+               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor],
+               norms: Optional[TensorNorms] = None
                ) -> Tuple[List[Tensor], Dict[str, List[Tensor]]]:
         moment_names = [name for name in self.state_names if name != "step"]
         dtypes = compute_dtypes(params, grads, *(state[n] for n in moment_names))

@@ -115,6 +115,12 @@ class GradientReduction:
             zeros.append(torch.zeros((), dtype=torch.float32, device=device))
         return zeros
 
+    def in_buffer_dtypes(self, running: List[Tensor],
+                         grads: List[Tensor]) -> List[Tensor]:
+        """``grads`` cast to the dtypes of the ``running`` buffer that they
+        are added to."""
+        return cast(grads, [b.dtype for b in running[:len(grads)]])
+
     def add(self, running: List[Tensor], grads: List[Tensor]) -> List[Tensor]:
         """The buffer after one more micro-batch's ``grads``. A sum is added
         in place (the device loop zeroes the buffer for each optimizer
@@ -122,7 +128,7 @@ class GradientReduction:
         the gradients are written into it; a running mean is computed
         anew."""
         buffers = running[:len(grads)]
-        grads = cast(grads, [b.dtype for b in buffers])
+        grads = self.in_buffer_dtypes(running, grads)
         if not self.accumulates:
             torch._foreach_copy_(buffers, grads)
             return buffers

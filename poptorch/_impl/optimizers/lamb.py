@@ -14,16 +14,17 @@ with ``phi(z) = min(z, max_weight_norm)`` (no clamping when
 PopTorch's default is the biased version (no bias correction).
 """
 import functools
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .adam import bias_corrections, first_and_second_moments
-from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
-                   add_scalar, add_scaled, cast, compute_dtypes, dtypes_of,
-                   per_param, sorted_constants, stacked, started_state,
-                   state_tensors, step_tensors)
+from .rule import (DEFAULT_ACCUM_TYPE, TensorNorms, TorchState, UpdateRule,
+                   accum_type_of, add_scalar, add_scaled, cast, compute_dtypes,
+                   dtypes_of, per_param, sorted_constants, stacked,
+                   started_state, state_tensors, step_tensors,
+                   whole_tensor_norms)
 
 
 class LAMBRule(UpdateRule):
@@ -63,7 +64,8 @@ class LAMBRule(UpdateRule):
                 "step": step_tensors(params, torch_state)}
 
     def update(self, params: List[Tensor], grads: List[Tensor],
-               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor]
+               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor],
+               norms: Optional[TensorNorms] = None
                ) -> Tuple[List[Tensor], Dict[str, List[Tensor]]]:
         dtypes = compute_dtypes(params, grads, state["exp_avg"],
                                 state["exp_avg_sq"])
@@ -74,7 +76,8 @@ class LAMBRule(UpdateRule):
         steps = torch._foreach_add(state["step"], 1.0)
         update = self._adam_direction(exp_avg, exp_avg_sq, steps, hyper)
         update = add_scaled(update, weights, hyper["weight_decay"])
-        step_sizes = hyper["lr"] * self._trust_ratios(weights, update, hyper)
+        step_sizes = hyper["lr"] * self._trust_ratios(
+            weights, update, hyper, norms or whole_tensor_norms)
         new_weights = torch._foreach_sub(
             weights, torch._foreach_mul(update, per_param(step_sizes, like=update)))
         new_state = {"exp_avg": cast(exp_avg, dtypes_of(state["exp_avg"])),
@@ -96,12 +99,12 @@ class LAMBRule(UpdateRule):
         return torch._foreach_div(exp_avg, root)
 
     def _trust_ratios(self, weights: List[Tensor], update: List[Tensor],
-                      hyper: Dict[str, Tensor]) -> Tensor:
+                      hyper: Dict[str, Tensor], norms: TensorNorms) -> Tensor:
         """Per param, ``phi(||w||) / ||u||``, or 1 where a norm is 0."""
         norm_dtype = functools.reduce(torch.promote_types, dtypes_of(weights),
                                       torch.float32)
-        weight_norms = stacked(torch._foreach_norm(weights, 2, dtype=norm_dtype))
-        update_norms = stacked(torch._foreach_norm(update, 2, dtype=norm_dtype))
+        weight_norms = stacked(norms(weights, norm_dtype))
+        update_norms = stacked(norms(update, norm_dtype))
         scaled_norms = weight_norms
         if self.clamp_weight_norm:
             scaled_norms = torch.clamp(weight_norms, max=hyper["max_weight_norm"])

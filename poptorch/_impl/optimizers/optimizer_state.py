@@ -44,7 +44,7 @@ state for a float16 parameter: torch.optim.Adam's does.)
 import dataclasses
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -65,11 +65,19 @@ ParamState = Dict[str, Tensor]
 
 @dataclasses.dataclass
 class OptimizerDeviceState:
-    """The optimizer state of one compiled training model."""
+    """The optimizer state of one compiled training model. In an n-process
+    run, ``placement`` (``distributed/sharding.py``'s ``StatePlacement``)
+    starts it from process 0's values and, with replicated tensor
+    sharding, keeps this process's rows of the sharded tensors: reading the
+    state then gathers them from every process."""
     layout: Any                     # training_step.TrainingLayout
     host_params: List[torch.nn.Parameter]  # the trainable params, in order
     device_state: Any               # device_state.DeviceState (.optimizer)
     attributes: GlobalAttributes
+    placement: Any = None           # None: one process, whole state
+    #: The flat state entries that hold rows of a sharded tensor.
+    row_entries: Set[int] = dataclasses.field(default_factory=set,
+                                              init=False)
 
     @property
     def _device(self) -> torch.device:
@@ -92,23 +100,58 @@ class OptimizerDeviceState:
         torch_states = [optimizer.state.get(p, {}) for p in self.host_params]
         flat = self.build(torch_states, _by_position(saved, positions),
                           self.attributes.initial_state(plan, self._device,
-                                                        saved))
+                                                        saved),
+                          broadcast=True)
         optimizer.__dict__.pop(_SAVED, None)
         return flat
 
     def build(self, torch_states: List[Mapping], saved: List[Optional[Mapping]],
-              scale_state: List[Tensor]) -> List[Tensor]:
+              scale_state: List[Tensor], broadcast: bool = False
+              ) -> List[Tensor]:
         """The flat state from per-position torch-format states, overridden
         by the exact ``saved`` device states where given, then the automatic
-        loss scaling ``scale_state``. Raises ``poptorch.Error`` before
-        anything changes when they do not fit."""
-        states = self.layout.group_states(self._trainable(), torch_states)
-        for group, state in zip(self.layout.groups, states):
-            for j, position in enumerate(group.positions):
+        loss scaling ``scale_state``; built one parameter at a time and
+        placed (with ``broadcast``, process 0's values; rows of sharded
+        tensors), so that no process holds more than one parameter's whole
+        state beyond its own. Raises ``poptorch.Error`` before anything
+        changes when they do not fit."""
+        trainable = self._trainable()
+        entries = self.layout.state_indices()
+        states, rows = [], set()
+        for group in self.layout.groups:
+            names = group.rule.state_names
+            state: Dict[str, List[Tensor]] = {name: [] for name in names}
+            for position in group.positions:
+                one = group.rule.init_state([trainable[position]],
+                                            [torch_states[position]])
                 if saved[position] is not None:
-                    _override(state, saved[position], group.rule, j,
+                    _override(one, saved[position], group.rule, 0,
                               self.host_params[position])
+                tensors = self._placed(position, [one[n][0] for n in names],
+                                       broadcast)
+                for name, entry, (tensor, in_rows) in zip(
+                        names, entries.get(position, []), tensors):
+                    state[name].append(tensor)
+                    if in_rows:
+                        rows.add(entry)
+            states.append(state)
+        if broadcast and self.placement is not None:
+            self.placement.broadcast_(scale_state)
+        self.row_entries = rows
         return self.layout.flatten_state(states) + scale_state
+
+    def _placed(self, position: int, tensors: List[Tensor],
+                broadcast: bool) -> List[Tuple[Tensor, bool]]:
+        """The state ``tensors`` of the trainable ``position`` as this
+        process keeps them, each with whether it is rows of the whole."""
+        if self.placement is None:
+            return [(tensor, False) for tensor in tensors]
+        if broadcast:
+            self.placement.broadcast_(tensors)
+        param = self._trainable()[position]
+        return [(self.placement.rows(tensor), True)
+                if self.placement.shards(position, tensor, param)
+                else (tensor, False) for tensor in tensors]
 
     def loaded_scale_state(self, extras: Mapping[str, Any]) -> List[Tensor]:
         """The automatic loss scaling state after loading ``extras``: its
@@ -120,10 +163,30 @@ class OptimizerDeviceState:
         return self.attributes.initial_state(None, self._device, extras)
 
     # --- reading it ---------------------------------------------------------
-    def per_param(self) -> List[ParamState]:
-        """Per trainable position, the rule's state tensors (device)."""
+    def whole_state(self) -> List[Tensor]:
+        """The flat state with every tensor whole: the rows of sharded
+        tensors gathered from every process (a collective)."""
+        flat = list(self.device_state.optimizer)
+        if not self.row_entries:
+            return flat
+        trainable = self._trainable()
+        for position, indices in sorted(self.layout.state_indices().items()):
+            for index in indices:
+                if index in self.row_entries:
+                    flat[index] = self.placement.whole(
+                        flat[index].to(self._device), trainable[position])
+        return flat
+
+    def placed(self, whole: List[Tensor]) -> List[Tensor]:
+        """The flat state as this process keeps it from the ``whole`` flat
+        state (``whole_state()``): the rows of sharded tensors."""
+        return [self.placement.rows(tensor) if index in self.row_entries
+                else tensor for index, tensor in enumerate(whole)]
+
+    def per_param(self, flat: List[Tensor]) -> List[ParamState]:
+        """Per trainable position, the rule's state tensors in the flat
+        state ``flat`` (``whole_state()``, or this process's own)."""
         states: List[ParamState] = [{} for _ in self.host_params]
-        flat = self.device_state.optimizer
         for group, state in zip(self.layout.groups,
                                 self.layout.unflatten_state(flat)):
             for j, position in enumerate(group.positions):
@@ -131,11 +194,11 @@ class OptimizerDeviceState:
                                     for name in group.rule.state_names}
         return states
 
-    def torch_format(self) -> List[ParamState]:
-        """Per trainable position, torch's ``state[p]`` (device tensors)."""
+    def torch_format(self, flat: List[Tensor]) -> List[ParamState]:
+        """Per trainable position, torch's ``state[p]`` (device tensors) of
+        the whole flat state ``flat``."""
         exported: List[ParamState] = [{} for _ in self.host_params]
         trainable = self._trainable()
-        flat = self.device_state.optimizer
         for group, state in zip(self.layout.groups,
                                 self.layout.unflatten_state(flat)):
             params = [trainable[p] for p in group.positions]
@@ -179,8 +242,10 @@ class OptimizerDeviceState:
         next to each host parameter) and return the ``"poptorch"`` entry."""
         index_of = _param_indices(optimizer)
         device_state = {}
-        for param, exported, raw in zip(self.host_params, self.torch_format(),
-                                         self.per_param()):
+        flat = self.whole_state()
+        for param, exported, raw in zip(self.host_params,
+                                         self.torch_format(flat),
+                                         self.per_param(flat)):
             if exported:
                 optimizer.state[param] = _to_host(exported, param)
             else:

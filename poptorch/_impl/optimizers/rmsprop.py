@@ -6,15 +6,16 @@ the square root, and the learning rate is folded into the momentum buffer
 (``buf = momentum * buf + lr * g / avg``; ``w -= buf``). Its exported
 ``momentum_buffer`` therefore includes the learning rate.
 """
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
-                   add_scalar, add_scaled, cast, compute_dtypes, decay_average,
-                   dtypes_of, in_dtype_of, lerp, sorted_constants,
-                   started_state, state_tensors, step_tensors, sub_scaled)
+from .rule import (DEFAULT_ACCUM_TYPE, TensorNorms, TorchState, UpdateRule,
+                   accum_type_of, add_scalar, add_scaled, cast, compute_dtypes,
+                   decay_average, dtypes_of, in_dtype_of, lerp,
+                   sorted_constants, started_state, state_tensors,
+                   step_tensors, sub_scaled)
 
 
 class RMSpropRule(UpdateRule):
@@ -63,7 +64,8 @@ class RMSpropRule(UpdateRule):
         return state
 
     def update(self, params: List[Tensor], grads: List[Tensor],
-               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor]
+               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor],
+               norms: Optional[TensorNorms] = None
                ) -> Tuple[List[Tensor], Dict[str, List[Tensor]]]:
         tensor_names = self.state_names[:-1]
         dtypes = compute_dtypes(params, grads, *(state[n] for n in tensor_names))

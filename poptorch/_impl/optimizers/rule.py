@@ -31,7 +31,8 @@ the exception: their state stays float64, never narrowed.
 """
 import abc
 import functools
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 from torch import Tensor
@@ -39,6 +40,14 @@ from torch import Tensor
 from ...errors import Error
 
 TorchState = Mapping[str, Any]
+#: Per-tensor 2-norms of a list of tensors, computed in a dtype.
+TensorNorms = Callable[[List[Tensor], torch.dtype], List[Tensor]]
+
+
+def whole_tensor_norms(tensors: List[Tensor],
+                       dtype: torch.dtype) -> List[Tensor]:
+    """The 2-norm of each of ``tensors``, in ``dtype``."""
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
 class UpdateRule(abc.ABC):
@@ -60,10 +69,14 @@ class UpdateRule(abc.ABC):
 
     @abc.abstractmethod
     def update(self, params: List[Tensor], grads: List[Tensor],
-               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor]
+               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor],
+               norms: Optional["TensorNorms"] = None
                ) -> Tuple[List[Tensor], Dict[str, List[Tensor]]]:
         """New params and new state; pure; ``grads`` are already reduced
-        (mean or sum) and unscaled."""
+        (mean or sum) and unscaled. A rule that needs per-tensor norms
+        (LAMB) computes them with ``norms`` when given: the tensors may be
+        rows of the parameters (replicated tensor sharding) whose norms are
+        those of the whole tensors; else ``whole_tensor_norms``."""
 
     @abc.abstractmethod
     def export_state(self, params: List[Tensor],

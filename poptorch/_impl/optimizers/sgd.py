@@ -14,15 +14,16 @@ the velocity is stored:
 
 With ``momentum == 0`` there is no state and the variant settings are ignored.
 """
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .rule import (DEFAULT_ACCUM_TYPE, TorchState, UpdateRule, accum_type_of,
-                   add_scaled, cast, compute_dtypes, dtypes_of, has_started,
-                   in_dtype_of, is_zero_constant, per_param, sorted_constants,
-                   stacked, state_tensors, step_tensors, sub_scaled)
+from .rule import (DEFAULT_ACCUM_TYPE, TensorNorms, TorchState, UpdateRule,
+                   accum_type_of, add_scaled, cast, compute_dtypes, dtypes_of,
+                   has_started, in_dtype_of, is_zero_constant, per_param,
+                   sorted_constants, stacked, state_tensors, step_tensors,
+                   sub_scaled)
 
 _VELOCITY = "momentum_buffer"
 _SCALED_VELOCITY = "scaled_velocity"
@@ -84,7 +85,8 @@ class SGDRule(UpdateRule):
                 "step": steps}
 
     def update(self, params: List[Tensor], grads: List[Tensor],
-               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor]
+               state: Dict[str, List[Tensor]], hyper: Dict[str, Tensor],
+               norms: Optional[TensorNorms] = None
                ) -> Tuple[List[Tensor], Dict[str, List[Tensor]]]:
         if not self.momentum:
             dtypes = compute_dtypes(params, grads)

@@ -19,9 +19,16 @@ class Effect(NamedTuple):
 
 
 _TENSOR_LOCATIONS = Effect(
-    STORED, "takes effect with tensor locations (off-chip storage on GPUs, "
-    "replicated tensor sharding); on a CPU device host and device memory "
+    STORED, "takes effect with off-chip storage of weights, activations and "
+    "gradient accumulators on GPUs; on a CPU device host and device memory "
     "are the same, so off-chip storage would change nothing there")
+_SHARDING = (
+    "on the optimizer location (docs/replicated_tensor_sharding.md), the "
+    "optimizer state of each parameter is split over the processes of a "
+    "multi-process run (ZeRO stage 1), and with the accumulator location's "
+    "too the gradient accumulation buffer (stage 2); one-process runs, "
+    "weights and pipelines with one stage per process log why it has no "
+    "effect")
 _IO_TILES = Effect(NO_EFFECT, "IPU I/O tiles do not exist on CPU/GPU")
 _SOURCE_LOCATIONS = Effect(
     IMPLEMENTED, "frames of these files are skipped when capture errors "
@@ -179,14 +186,26 @@ OPTION_EFFECTS: Dict[str, Effect] = {
     "TensorLocations.setWeightLocation": _TENSOR_LOCATIONS,
     "TensorLocations.setOptimizerLocation": Effect(
         IMPLEMENTED, "on CUDA, useOnChipStorage(False) keeps optimizer state "
-        "in pinned host memory between calls; no effect on a CPU device "
-        "(logged once)"),
-    "TensorLocations.setAccumulatorLocation": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.useOnChipStorage": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.useReplicatedTensorSharding": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.minElementsForOffChip": _TENSOR_LOCATIONS,
-    "TensorLocationSettings.minElementsForReplicatedTensorSharding":
-        _TENSOR_LOCATIONS,
+        "in pinned host memory between calls (no effect on a CPU device, "
+        "logged once); useReplicatedTensorSharding(True) shards it over the "
+        "processes of a multi-process run"),
+    "TensorLocations.setAccumulatorLocation": Effect(
+        IMPLEMENTED, "with useReplicatedTensorSharding(True) here and on the "
+        "optimizer location, the gradient accumulation buffer is sharded "
+        "over the processes of a multi-process run; its off-chip storage "
+        "has no effect yet"),
+    "TensorLocationSettings.useOnChipStorage": Effect(
+        IMPLEMENTED, "False on the optimizer location keeps optimizer state "
+        "in host memory between calls on CUDA; on the other locations it "
+        "has no effect yet"),
+    "TensorLocationSettings.useReplicatedTensorSharding": Effect(
+        IMPLEMENTED, _SHARDING),
+    "TensorLocationSettings.minElementsForOffChip": Effect(
+        IMPLEMENTED, "optimizer state tensors with fewer elements stay on "
+        "the GPU between calls when the optimizer location is off chip"),
+    "TensorLocationSettings.minElementsForReplicatedTensorSharding": Effect(
+        IMPLEMENTED, "parameters with at most this many elements keep their "
+        "optimizer state whole on every process"),
     "TensorLocationSettings.useIOTilesToLoad": _IO_TILES,
     "TensorLocationSettings.useIOTilesToStore": _IO_TILES,
     "Distributed.configureProcessId": _DISTRIBUTED,

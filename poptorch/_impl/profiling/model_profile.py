@@ -193,7 +193,8 @@ def stage_memory(compiled, steps: Dict[str, StepFacts]
         memory[stage_of[index]]["parameter_bytes"] += _bytes(param)
     if compiled.training is not None:
         trainable = compiled.training.layout.trainable
-        states = compiled.training.optimizer_state.per_param()
+        states = compiled.training.optimizer_state.per_param(
+            compiled.state.optimizer)
         for position, state in enumerate(states):
             memory[stage_of[trainable[position]]]["optimizer_state_bytes"] \
                 += sum(_bytes(t) for t in state.values())

@@ -54,6 +54,7 @@ from ..batching import BatchLayout
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                        split_flat, tensor_outputs, trace_inference_step,
                        trace_user_code)
+from ..distributed.gradients import GradientExchange
 from ..logger import logger
 from ..outputs import OutputCollector
 from .attention import batched_attention
@@ -258,7 +259,7 @@ class ReplicaExecution:
                        split: List[torch.Tensor],
                        flags: Dict[str, bool], update: bool,
                        accumulated: bool,
-                       reduce_gradients: Optional[Callable] = None
+                       exchange: Optional[GradientExchange] = None
                        ) -> torch.fx.GraphModule:
         """``trace_training_step`` for this path. ``example`` holds one
         replica's micro-batch and buffers (what the sequential path
@@ -276,11 +277,11 @@ class ReplicaExecution:
                     forward=self._vectorised_forward(call,
                                                      settings.reduction),
                     combine_losses=self._combined_loss(settings.reduction),
-                    reduce_gradients=reduce_gradients)
+                    exchange=exchange)
         return trace_training_step(call, self.analysis, training, settings,
                                    example, flags, update=update,
                                    accumulated=accumulated,
-                                   reduce_gradients=reduce_gradients)
+                                   exchange=exchange)
 
     def trace_inference(self, call: ModelCall, params: List[torch.Tensor],
                         buffer_sets: List[List[torch.Tensor]],

@@ -52,6 +52,7 @@ from ...errors import Error
 from ..backends import get_backend
 from ..batching import BatchLayout, micro_batch
 from ..device_loop import TrainingState
+from ..distributed.gradients import GradientExchange
 from ..distributed.pipeline_processes import PipelineProcesses
 from ..failed_calls import CallProgress
 from ..floating_point_checks import StepFlags
@@ -188,12 +189,12 @@ class StagedExecution:
                          example: Dict[str, List[torch.Tensor]],
                          micro_batches: int,
                          processes: Optional[PipelineProcesses],
-                         reduce_gradients: Optional[Callable]) -> None:
+                         exchange: Optional[GradientExchange]) -> None:
         """Check the step's settings, capture the optimizer step and set up
         the schedule: with ``processes``, this process runs one stage of a
-        pipeline; otherwise ``reduce_gradients`` (in a multi-process run
-        whose processes each run all the stages) combines the step's
-        gradients with the other processes' before the update."""
+        pipeline; otherwise ``exchange`` (in a multi-process run whose
+        processes each run all the stages) combines the step's gradients
+        with the other processes' for the update."""
         if self._view.grouped:
             self._view.grouped.check_update(layout, settings)
         self._view.step_reduction = settings.reduction
@@ -208,7 +209,7 @@ class StagedExecution:
                  for p in positions], self._device)
         self._update = PartialUpdate(
             layout, settings, example, positions, partial,
-            None if processes is not None else reduce_gradients)
+            None if processes is not None else exchange)
         self._training_layout = layout
         self._settings = settings
         self._processes = processes
@@ -400,15 +401,15 @@ class PartialUpdate:
     of their restricted layout, run by the graph backend, which writes the
     new weights and optimizer state into the old tensors
     (``backends/in_place.py``). With ``partial``, other processes hold the
-    step's other gradients (a pipeline over processes); ``reduce_gradients``
-    all-reduces the gradients first (processes that each run all the
-    stages)."""
+    step's other gradients (a pipeline over processes); ``exchange``
+    combines the gradients with the other processes' (processes that each
+    run all the stages; ``distributed/``)."""
 
     def __init__(self, layout: TrainingLayout, settings: StepSettings,
                  example: Dict[str, List[torch.Tensor]],
                  positions: List[int],
                  partial: Optional[PartialGradients] = None,
-                 reduce_gradients: Optional[Callable] = None) -> None:
+                 exchange: Optional[GradientExchange] = None) -> None:
         part, self._state, self._hyper = layout.restricted(positions)
         self.positions = positions
         self._flagged = settings.finite_checks and bool(positions)
@@ -419,7 +420,7 @@ class PartialUpdate:
                    "hyper": self._hyper_of(example["hyper"])}
         self._step = get_backend("graph").compile(
             trace_update_step(part, settings, example, partial,
-                              reduce_gradients), [],
+                              exchange), [],
             update_donation(example))
 
     def _state_of(self, flat: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -1,0 +1,425 @@
+"""Replicated tensor sharding (RTS) of a training model's optimizer state
+and running gradient buffer over the processes of a run: ZeRO stages 1
+and 2.
+
+PopTorch programs ask for it with
+``opts.TensorLocations.setOptimizerLocation(poptorch.TensorLocationSettings()
+.useReplicatedTensorSharding(True))``: on IPUs each replica then keeps 1/R
+of the optimizer state. Here the R replicas of one process are vectorised
+over one copy of the weights and optimizer state, so a process already
+holds the state once for all its replicas; sharding splits it over the
+processes of the run instead (``poprun --num-instances n``, torchrun): each
+of the n processes keeps the optimizer state of 1/n of every parameter with
+more than ``minElementsForReplicatedTensorSharding`` elements (and at
+least n), which is 1/R of the state per replica, as on IPUs. In a
+one-process run the setting has nothing to split and is logged as having
+no effect.
+
+A parameter of N elements is flattened and padded with zeros to n x k
+elements (k = ceil(N / n), fewer than N); process r keeps row r of that
+``[n, k]`` view of each of its state tensors shaped like the parameter
+(scalar state, such as step counts, stays whole). Each optimizer step
+(traced into the update graph):
+
+1. the gradients of sharded parameters are reduce-scattered in buckets
+   (each process receives the sum, or mean, of its rows), started as soon
+   as the backward pass has computed them; the other gradients are
+   all-reduced as without sharding (``gradients.py``);
+2. each process updates its rows of the weights with its rows of the
+   gradients and state: the update rules are elementwise, except for the
+   norms, which are totalled over the processes: LAMB's per-tensor trust
+   ratio, clipping's global norm (``max_grad_norm``) and automatic loss
+   scaling's overflow check;
+3. the updated rows are all-gathered into the whole weights, which every
+   process holds for the next forward pass.
+
+With ``setAccumulatorLocation(...useReplicatedTensorSharding(True))`` as
+well, the running gradient buffer of gradient accumulation is sharded too
+(stage 2): each micro-batch's gradients are reduce-scattered and added to
+this process's rows, so the buffer takes 1/n of the memory, for G
+reduce-scatters per optimizer step instead of one all-reduce.
+
+Outside the graph, the state is built per parameter (process 0's values,
+broadcast, then cut into rows) and ``optimizer.state_dict()`` gathers it
+whole, so checkpoints are the unsharded format: every process must call
+``state_dict()`` (and ``destroy()``, ``compileAndExport``), as each
+gathers the others' rows (docs/replicated_tensor_sharding.md).
+"""
+import dataclasses
+import functools
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..logger import info_once
+from ..optimizers import loss_scaling
+from ..optimizers.rule import TensorNorms
+from . import collectives, process_group
+from .collectives import padded_rows, shard_numel
+from . import gradients
+from .gradients import GradientAllReduce, GradientExchange, buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """Which trainable parameters have sharded optimizer state, over how
+    many processes."""
+    parts: int                       # n, the processes of the run
+    sharded: Tuple[bool, ...]        # per trainable position
+    accumulators: bool               # the running gradient buffer too
+
+    @staticmethod
+    def build(options, trainable: Sequence[torch.Tensor], processes: int,
+              stage_per_process: bool, staged: bool) -> Optional["Sharding"]:
+        """The sharding that ``options.TensorLocations`` asks for, for the
+        ``trainable`` parameters of a run of ``processes`` processes (a
+        multi-stage model when ``staged``); None when there is nothing to
+        shard (the reason logged once)."""
+        locations = options.TensorLocations
+        optimizer = locations.optimizer_location
+        accumulator = locations.accumulator_location
+        weight = locations.weight_location
+        if _asks_for_sharding(weight):
+            info_once(
+                "TensorLocations.setWeightLocation with "
+                "useReplicatedTensorSharding(True) has no effect: weights "
+                "stay whole on every process (weight sharding, ZeRO stage "
+                "3, is not implemented; the captured step holds every "
+                "weight through its forward and backward passes, so "
+                "gathering them once per step would not lower its peak "
+                "memory). Sharding the optimizer state "
+                "(setOptimizerLocation) splits the larger part")
+        if not _asks_for_sharding(optimizer):
+            if _asks_for_sharding(accumulator):
+                info_once(
+                    "TensorLocations.setAccumulatorLocation with "
+                    "useReplicatedTensorSharding(True) has no effect "
+                    "without it on the optimizer location: the gradient "
+                    "buffer is sharded together with the optimizer state")
+            return None
+        if processes == 1:
+            info_once(
+                "Replicated tensor sharding of the optimizer state has no "
+                "effect in a one-process run: its replicas already share "
+                "one copy of the optimizer state; it splits the state over "
+                "the processes of a poprun (or torchrun) run")
+            return None
+        if stage_per_process:
+            info_once(
+                "Replicated tensor sharding of the optimizer state has no "
+                "effect on a pipeline with one stage per process: each "
+                "process already keeps the state of its own stage only")
+            return None
+        minimum = optimizer.min_elements_for_replicated_tensor_sharding
+        sharded = tuple(p.numel() > minimum and p.numel() >= processes
+                        for p in trainable)
+        if not any(sharded):
+            info_once(
+                f"Replicated tensor sharding of the optimizer state has no "
+                f"effect: no trainable parameter has more than "
+                f"minElementsForReplicatedTensorSharding ({minimum}) "
+                f"elements")
+            return None
+        accumulators = _asks_for_sharding(accumulator)
+        if accumulators and staged:
+            info_once(
+                "TensorLocations.setAccumulatorLocation with "
+                "useReplicatedTensorSharding(True) has no effect on a "
+                "multi-stage model: its stages sum their gradients outside "
+                "the captured optimizer step, whole")
+            accumulators = False
+        return Sharding(processes, sharded, accumulators)
+
+    def is_sharded(self, position: int, tensor: torch.Tensor,
+                   param: torch.Tensor) -> bool:
+        """Whether ``tensor``, optimizer state of the trainable parameter
+        ``param`` at ``position``, is kept in rows (it has the parameter's
+        shape)."""
+        return self.sharded[position] and tensor.shape == param.shape
+
+    def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Row ``rank`` of ``tensor`` (a copy, so the whole can be freed)."""
+        return padded_rows(tensor, self.parts)[rank].clone()
+
+    def whole(self, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The tensor shaped as ``like`` from its ``rows`` gathered in rank
+        order."""
+        return rows[:like.numel()].view(like.shape).clone()
+
+
+def _asks_for_sharding(location) -> bool:
+    return location is not None and location.replicated_tensor_sharding
+
+
+class StatePlacement:
+    """Where a distributed model's optimizer state lives: process 0's
+    values at the start, then each process's rows of the sharded tensors
+    (the ``placement`` of ``OptimizerDeviceState``)."""
+
+    def __init__(self, sharding: Optional[Sharding],
+                 group: "process_group.ProcessGroup") -> None:
+        self.sharding = sharding
+        self.group = group
+
+    def broadcast_(self, tensors: List[torch.Tensor]) -> None:
+        """Process 0's values of ``tensors``, in place."""
+        self.group.broadcast_(tensors, "the start-up weight broadcast")
+
+    def shards(self, position: int, tensor: torch.Tensor,
+               param: torch.Tensor) -> bool:
+        """Whether the state ``tensor`` of the trainable ``param`` at
+        ``position`` is kept in rows."""
+        return (self.sharding is not None
+                and self.sharding.is_sharded(position, tensor, param))
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a sharded state ``tensor``."""
+        return self.sharding.shard(tensor, self.group.rank)
+
+    def whole(self, rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """A sharded state tensor of ``param`` whole, from every process's
+        ``rows``."""
+        gathered = self.group.all_gather(
+            rows, "the gather of the sharded optimizer state (state_dict() "
+            "and destroy() gather it from every process: every process must "
+            "call them)")
+        return self.sharding.whole(gathered, param)
+
+
+class ShardedExchange(GradientExchange):
+    """A sharded training step's exchange with the other processes (see the
+    module's docstring), traced into its graphs."""
+
+    def __init__(self, sharding: Sharding, average: bool) -> None:
+        super().__init__(average)
+        self.sharding = sharding
+        self.reduces_each_micro_batch = sharding.accumulators
+        self.statistics = ShardedStatistics(sharding.sharded, self)
+
+    def reduce_micro_batch(self, grads: List[torch.Tensor]
+                           ) -> List[torch.Tensor]:
+        """With a sharded running buffer, one micro-batch's gradients of
+        the sharded parameters reduce-scattered (this process's rows), the
+        others as they are."""
+        if not self.sharding.accumulators:
+            return grads
+        return self._reduced(grads, [], self._sharded_positions(grads))
+
+    def reduce(self, grads: List[torch.Tensor],
+               rows_done: bool = False) -> List[torch.Tensor]:
+        """The step's gradients combined over the processes: those of
+        sharded parameters reduce-scattered (unless ``rows_done``: the
+        running buffer holds reduced rows already), the others
+        all-reduced."""
+        sharded = [] if rows_done else self._sharded_positions(grads)
+        whole = [i for i in range(len(grads)) if not self.sharding.sharded[i]]
+        return self._reduced(grads, whole, sharded)
+
+    def _sharded_positions(self, grads: List[torch.Tensor]) -> List[int]:
+        return [i for i in range(len(grads)) if self.sharding.sharded[i]]
+
+    def _reduced(self, grads: List[torch.Tensor], all_reduced: List[int],
+                 scattered: List[int]) -> List[torch.Tensor]:
+        """``grads`` with those at ``scattered`` reduce-scattered and those
+        at ``all_reduced`` all-reduced: every collective started before the
+        first wait, so that all can start during the backward pass."""
+        to_scatter = [grads[i] for i in scattered]
+        to_reduce = [grads[i] for i in all_reduced]
+        all_reduce = GradientAllReduce(self.average, self.token)
+        scattering = self._start_scatter(to_scatter)
+        reducing = all_reduce.start(to_reduce)
+        reduced = list(grads)
+        for index, rows in zip(scattered, self._wait_scatter(to_scatter,
+                                                             scattering)):
+            reduced[index] = rows
+        for index, value in zip(all_reduced,
+                                all_reduce.wait(to_reduce, reducing)):
+            reduced[index] = value
+        return reduced
+
+    def _start_scatter(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Start reduce-scattering ``grads``: one collective per bucket laid
+        out as ``[n, K]``, row r holding every gradient's row r. Returns
+        the buckets' flat tensors, for ``_wait_scatter``."""
+        flats = []
+        for bucket, positions in enumerate(buckets(grads)):
+            flat = torch.cat([padded_rows(grads[i], self.sharding.parts)
+                              for i in positions], dim=1).reshape(-1)
+            torch.ops.poptorch.reduce_scatter_start_(flat, bucket,
+                                                     self.token)
+            flats.append(flat)
+        return flats
+
+    def _wait_scatter(self, grads: List[torch.Tensor],
+                      flats: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Each of ``grads``' rows of this process, summed (averaged) over
+        the processes."""
+        parts = self.sharding.parts
+        rows = list(grads)
+        for bucket, (positions, flat) in enumerate(zip(buckets(grads),
+                                                       flats)):
+            mine = torch.ops.poptorch.reduce_scatter_wait(
+                flat, bucket, parts, self.average, self.token)
+            sizes = [shard_numel(grads[i].numel(), parts) for i in positions]
+            for index, piece in zip(positions, mine.split(sizes)):
+                rows[index] = piece
+        return rows
+
+    def accumulators(self, params: List[torch.Tensor]
+                     ) -> List[torch.Tensor]:
+        """With a sharded running buffer, rows for the sharded
+        parameters."""
+        if not self.sharding.accumulators:
+            return params
+        return [p.new_empty(shard_numel(p.numel(), self.sharding.parts))
+                if sharded else p
+                for p, sharded in zip(params, self.sharding.sharded)]
+
+    def local(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """This process's rows of the sharded parameters, the others
+        whole."""
+        parts = self.sharding.parts
+        return [torch.ops.poptorch.local_shard(p, parts) if sharded else p
+                for p, sharded in zip(params, self.sharding.sharded)]
+
+    def gather(self, updated: List[torch.Tensor],
+               params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The whole updated parameters, shaped as ``params``: the rows of
+        the sharded ones all-gathered, the others as they are. A parameter
+        of at least ``gradients.FIRST_BUCKET_BYTES`` is gathered alone,
+        straight into its whole tensor; smaller ones share buckets (by
+        dtype and size), cut into their tensors by a copy."""
+        parts = self.sharding.parts
+        positions = [i for i, sharded in enumerate(self.sharding.sharded)
+                     if sharded]
+        large = [i for i in positions
+                 if params[i].numel() * params[i].element_size()
+                 >= gradients.FIRST_BUCKET_BYTES]
+        small = [i for i in positions if i not in large]
+        result = list(updated)
+        for index in large:
+            result[index] = torch.ops.poptorch.gather_rows(
+                updated[index], parts, list(params[index].shape), self.token)
+        for group in buckets([updated[i] for i in small]):
+            indices = [small[j] for j in group]
+            flat = torch.cat([updated[i] for i in indices])
+            whole = torch.ops.poptorch.all_gather(
+                flat, parts, self.token).view(parts, -1)
+            pieces = whole.split([updated[i].numel() for i in indices], dim=1)
+            for index, piece in zip(indices, pieces):
+                param = params[index]
+                result[index] = piece.reshape(-1)[:param.numel()].view(
+                    param.shape)
+        return result
+
+    def row_shapes(self, named: Dict[str, Tuple[torch.fx.Node, torch.Size,
+                                                int]]
+                   ) -> Dict[str, Tuple[List[int], int]]:
+        """Of the update graph's ``named`` gradients and optimizer state
+        (name: node, the parameter's shape, its trainable position), those
+        that are this process's rows (shaped ``[k]``, which a sharded
+        parameter of N > k elements never is), with the whole shape and the
+        number of processes."""
+        parts = self.sharding.parts
+        rows = {}
+        for name, (node, shape, position) in named.items():
+            size = shard_numel(shape.numel(), parts)
+            if (self.sharding.sharded[position] and node is not None
+                    and tuple(node.meta["val"].shape) == (size,)):
+                rows[name] = (list(shape), parts)
+        return rows
+
+    def norms(self, positions: Sequence[int]) -> Optional[TensorNorms]:
+        """Per-tensor norms for the update of the trainable ``positions``:
+        those of sharded parameters' rows totalled over the processes."""
+        sharded = [self.sharding.sharded[p] for p in positions]
+        if not any(sharded):
+            return None
+        return functools.partial(_whole_norms, sharded, self.token)
+
+
+def gathered_rows(graph: torch.fx.GraphModule, node: torch.fx.Node,
+                  shape: List[int], parts: int) -> torch.fx.Node:
+    """A node computing the whole tensor of which ``node`` is this
+    process's rows (an anchored gradient or optimizer state), added to
+    ``graph`` after its other collectives, in order with them (the step's
+    token)."""
+    starts = {getattr(torch.ops.poptorch, name).default
+              for name in collectives.STARTS}
+    token = next(n.args[-1] for n in graph.graph.nodes if n.target in starts)
+    with graph.graph.inserting_before(graph.graph.output_node()):
+        gathered = graph.graph.call_function(
+            torch.ops.poptorch.gather_rows.default,
+            (node, parts, shape, token))
+    value = node.meta["val"]
+    with value.fake_mode:
+        gathered.meta["val"] = torch.ops.poptorch.gather_rows(
+            value, parts, shape, token.meta["val"])
+    return gathered
+
+
+def _whole_norms(sharded: List[bool], token: torch.Tensor,
+                 tensors: List[torch.Tensor],
+                 dtype: torch.dtype) -> List[torch.Tensor]:
+    """The 2-norms of whole tensors from ``tensors``, some of them
+    (``sharded``) this process's rows: their squares totalled over the
+    processes (float64), the others' norms computed here."""
+    norms = list(torch._foreach_norm(tensors, 2, dtype=dtype))
+    rows = [i for i, row in enumerate(sharded) if row]
+    squares = torch.stack([norms[i] for i in rows]).to(torch.float64)
+    squares = squares * squares
+    torch.ops.poptorch.total_(squares, token)
+    for index, total in zip(rows, squares.sqrt().to(dtype).unbind()):
+        norms[index] = total
+    return norms
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStatistics:
+    """A sharded step's gradient statistics (``StepScaling``'s
+    ``partial``): the rows of sharded parameters' gradients counted on the
+    process that holds them, totalled over the processes (ordered by the
+    ``exchange``'s token); the whole gradients, equal on every process,
+    counted once, here."""
+    sharded: Tuple[bool, ...]
+    exchange: "ShardedExchange"
+
+    def _split(self, grads: List[torch.Tensor]
+               ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        rows = [g for g, s in zip(grads, self.sharded) if s and g.numel()]
+        whole = [g for g, s in zip(grads, self.sharded)
+                 if not s and g.numel()]
+        return rows, whole
+
+    def norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of all the step's gradients (float32)."""
+        rows, whole = self._split(grads)
+        squares = _sum_of_squares(rows, grads[0].device)
+        torch.ops.poptorch.total_(squares, self.exchange.token)
+        if whole:
+            squares = squares + _sum_of_squares(whole, grads[0].device)
+        return squares.sqrt().to(torch.float32)
+
+    def all_finite(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """Whether all the step's gradients are finite."""
+        rows, whole = self._split(grads)
+        overflows = torch.zeros((), dtype=torch.float64,
+                                device=grads[0].device)
+        finite = loss_scaling.all_finite(rows)
+        if finite is not None:
+            overflows = torch.logical_not(finite).to(torch.float64)
+        torch.ops.poptorch.total_(overflows, self.exchange.token)
+        result = overflows == 0
+        finite = loss_scaling.all_finite(whole)
+        return result if finite is None else result & finite
+
+
+def _sum_of_squares(tensors: List[torch.Tensor],
+                    device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors`` (0-d,
+    float64)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack(list(torch._foreach_norm(tensors, 2,
+                                                 dtype=torch.float64)))
+    return (norms * norms).sum()
