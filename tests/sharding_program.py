@@ -3,6 +3,7 @@
     sharding_program.py OUTPUT_DIR [CONFIG ...]
     poprun --num-instances 2 --num-replicas 2 --ipus-per-replica 2 \
         sharding_program.py OUTPUT_DIR --staged
+    sharding_program.py OUTPUT_DIR --process-0-saves
 
 For each configuration of ``CONFIGS`` (all by default) each process trains
 ``Net`` twice from the same weights on the same data (its own, per
@@ -16,6 +17,12 @@ optimizer state the process kept, to ``OUTPUT_DIR/process<i>.pt``.
 ``poprun`` instance runs a whole replica) the same way, with Adam and
 clipping, and saves ``staged`` only.
 
+``--process-0-saves``: as PopTorch programs save checkpoints, only
+process 0 calls ``optimizer.state_dict()`` of a sharded AdamW model, after
+the first call and after the last, when the other process has finished;
+it saves them beside every process's state dicts of the same run
+unsharded.
+
 ``resume``: a sharded run saves a checkpoint half way; a new model loads
 it and trains the second half (its weights and state must equal the
 uninterrupted run's bit for bit); and a sharded and an unsharded model
@@ -25,6 +32,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import time
 from typing import Callable
 
 import torch
@@ -282,16 +290,43 @@ def staged() -> dict:
     return {"staged": results}
 
 
+def process_0_saves() -> dict:
+    """The ``--process-0-saves`` run (see the module's docstring)."""
+    process = int(os.environ["RANK"])
+    config = "adamw_clip"
+    torch.manual_seed(1 + process)
+    start = Net()
+    batches = data(config, process, options(config, True))
+    saved = {}
+    for sharded in (False, True):
+        net = copy.deepcopy(start)
+        optimizer = _adamw(net)
+        model = poptorch.trainingModel(net, options(config, sharded),
+                                       optimizer)
+        for call, (x, y) in enumerate(batches):
+            model(x, y)
+            if call == 0 and (process == 0 or not sharded):
+                saved[sharded, "first"] = optimizer.state_dict()
+        if process == 0 and sharded:
+            time.sleep(2)   # the other process has left its training loop
+        if process == 0 or not sharded:
+            saved[sharded, "last"] = optimizer.state_dict()
+    return saved if process == 0 else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output")
     parser.add_argument("configs", nargs="*")
     parser.add_argument("--staged", action="store_true")
+    parser.add_argument("--process-0-saves", action="store_true")
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
-    if arguments.staged:
-        torch.save(staged(), os.path.join(arguments.output,
-                                          f"process{process}.pt"))
+    if arguments.staged or arguments.process_0_saves:
+        results = staged() if arguments.staged else process_0_saves()
+        if results:
+            torch.save(results, os.path.join(arguments.output,
+                                             f"process{process}.pt"))
         return
     results = {}
     for config in arguments.configs or sorted(CONFIGS):

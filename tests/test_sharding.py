@@ -271,11 +271,9 @@ def test_small_parameters_keep_whole_state():
 
 # --- real processes ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    """sharding_program.py run as 2 processes (gloo): every configuration,
-    sharded and not, and the checkpoint round trips."""
-    output = tmp_path_factory.mktemp("sharding")
+def _run_two_processes(output, *arguments):
+    """sharding_program.py run as 2 processes (gloo) writing to
+    ``output``; each process's results, when it saved any."""
     port = str(free_port())
     processes = []
     for rank in range(2):
@@ -284,13 +282,22 @@ def two_processes(tmp_path_factory):
                            OMP_NUM_THREADS="1", POPTORCH_BACKEND="graph",
                            POPTORCH_DISTRIBUTED_TIMEOUT="60")
         processes.append(subprocess.Popen(
-            [sys.executable, PROGRAM, str(output)], env=environment,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            [sys.executable, PROGRAM, str(output), *arguments],
+            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
     for process in processes:
         _, err = process.communicate(timeout=600)
         assert process.returncode == 0, err
     return [torch.load(output / f"process{i}.pt", weights_only=False)
+            if (output / f"process{i}.pt").exists() else None
             for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Every configuration, sharded and not, and the checkpoint round
+    trips, over 2 processes."""
+    return _run_two_processes(tmp_path_factory.mktemp("sharding"))
 
 
 def _assert_state_dicts_close(got, want):
@@ -416,3 +423,16 @@ def test_a_multi_stage_model_shards_its_optimizer_state(tmp_path):
         run = torch.load(tmp_path / f"process{rank}.pt",
                          weights_only=False)["staged"]
         _assert_same_training(run["sharded"], run["unsharded"])
+
+
+@pytest.mark.slow
+def test_process_0_alone_reads_the_sharded_state(tmp_path):
+    """Only process 0 calls optimizer.state_dict() (as PopTorch programs
+    save checkpoints): after the first call, while process 1 goes on to
+    its next call, and after the last, when process 1 has left its
+    training loop and waits at exit. Both state dicts equal the unsharded
+    run's (atol 1e-6), and both processes end normally."""
+    first, second = _run_two_processes(tmp_path, "--process-0-saves")
+    assert second is None
+    for moment in ("first", "last"):
+        _assert_state_dicts_close(first[True, moment], first[False, moment])

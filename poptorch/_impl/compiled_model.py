@@ -177,7 +177,13 @@ class CompiledModel:
                              for t in host_inputs]
             split = [layout.split(t) for t in device_inputs]
         timer.inputs_transferred()
-        outputs = self._rolled_back_on_failure(split, timer, progress)
+        completed = False
+        try:
+            outputs = self._rolled_back_on_failure(split, timer, progress)
+            completed = True
+        finally:
+            if self.training is not None:
+                self.training.optimizer_state.after_call(completed)
         with torch.no_grad():
             for index in self.analysis.written_inputs:
                 if device_inputs[index] is not host_inputs[index]:

@@ -311,10 +311,10 @@ class ExportedFile:
                     f"it holds {self.manifest['optimizer_state_size']} "
                     f"optimizer state tensors; the model has {len(current)}")
             optimizer_state = compiled.training.optimizer_state
-            compiled.state.optimizer = optimizer_state.placed([
+            optimizer_state.replace(optimizer_state.placed([
                 self.tensors[f"optimizer_state/{index}"].to(
                     device=tensor.device, dtype=tensor.dtype)
-                for index, tensor in enumerate(current)])
+                for index, tensor in enumerate(current)]))
 
     def model(self) -> Dict[str, Any]:
         """The pickled module, optimizer and options (trusted files only)."""

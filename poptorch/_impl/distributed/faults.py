@@ -202,12 +202,15 @@ class FaultMonitor:
             "POPTORCH_DISTRIBUTED_TIMEOUT to wait longer.")
 
     @contextlib.contextmanager
-    def explaining(self, what: str) -> Iterator[None]:
+    def explaining(self, what: str,
+                   collective: bool = True) -> Iterator[None]:
         """Run work that exchanges data with the other processes (a
         pipeline schedule's sends and receives, its collectives): a
         ``RuntimeError`` from the backend (a peer disconnected, a timeout)
-        becomes ``poptorch.Error`` naming the failed process."""
-        sequence = self.start()
+        becomes ``poptorch.Error`` naming the failed process. Work that is
+        not ``collective`` (one process asking another, which every process
+        does not do) is not counted among the collectives started."""
+        sequence = self.start() if collective else None
         try:
             yield
         except RuntimeError as error:

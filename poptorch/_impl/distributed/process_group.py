@@ -23,6 +23,7 @@ from ...errors import Error
 from ..logger import logger
 from .environment import ProcessEnvironment
 from .faults import FaultMonitor
+from .state_service import StateService
 
 _STORE_PREFIX = "poptorch"
 
@@ -42,6 +43,7 @@ class ProcessGroup:
                                     environment.timeout,
                                     hosts_store=_hosts_store(self.rank))
         self.blocking = dist.get_backend() == "gloo"
+        self._service = None
         self._pending: Dict[int, Tuple[dist.Work, int]] = {}
         self._scattering: Dict[int, Tuple[dist.Work, int,
                                           Optional[torch.Tensor]]] = {}
@@ -113,6 +115,15 @@ class ProcessGroup:
         sequence = self.monitor.start()
         work = dist.all_reduce(tensor, async_op=True)
         self.monitor.wait(work, what, sequence, self.blocking)
+
+    def state_service(self) -> StateService:
+        """The service that sends this process's rows of sharded optimizer
+        state to others (``state_service.py``), started on the first call,
+        which every process makes at the same point (it creates a process
+        group)."""
+        if self._service is None:
+            self._service = StateService(self)
+        return self._service
 
     def broadcast_(self, tensors: List[torch.Tensor], what: str) -> None:
         """Give every process process 0's values of ``tensors`` (in

@@ -41,9 +41,8 @@ reduce-scatters per optimizer step instead of one all-reduce.
 
 Outside the graph, the state is built per parameter (process 0's values,
 broadcast, then cut into rows) and ``optimizer.state_dict()`` gathers it
-whole, so checkpoints are the unsharded format: every process must call
-``state_dict()`` (and ``destroy()``, ``compileAndExport``), as each
-gathers the others' rows (docs/replicated_tensor_sharding.md).
+whole (``state_service.py``: one process alone may ask), so checkpoints
+are the unsharded format (docs/replicated_tensor_sharding.md).
 """
 import dataclasses
 import functools
@@ -154,12 +153,14 @@ def _asks_for_sharding(location) -> bool:
 class StatePlacement:
     """Where a distributed model's optimizer state lives: process 0's
     values at the start, then each process's rows of the sharded tensors
-    (the ``placement`` of ``OptimizerDeviceState``)."""
+    (the ``placement`` of ``OptimizerDeviceState``). The rows are gathered
+    by ``state_service.py``, which works when one process alone asks."""
 
     def __init__(self, sharding: Optional[Sharding],
                  group: "process_group.ProcessGroup") -> None:
         self.sharding = sharding
         self.group = group
+        self.number: Optional[int] = None
 
     def broadcast_(self, tensors: List[torch.Tensor]) -> None:
         """Process 0's values of ``tensors``, in place."""
@@ -176,14 +177,28 @@ class StatePlacement:
         """This process's rows of a sharded state ``tensor``."""
         return self.sharding.shard(tensor, self.group.rank)
 
-    def whole(self, rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """A sharded state tensor of ``param`` whole, from every process's
-        ``rows``."""
-        gathered = self.group.all_gather(
-            rows, "the gather of the sharded optimizer state (state_dict() "
-            "and destroy() gather it from every process: every process must "
-            "call them)")
-        return self.sharding.whole(gathered, param)
+    def register(self, state) -> None:
+        """Serve the rows of ``state`` (an ``OptimizerDeviceState``) to the
+        other processes, when it has any."""
+        if self.sharding is not None:
+            self.number = self.group.state_service().register(state)
+
+    def publish(self, calls: int, rows: List[torch.Tensor]) -> None:
+        """The registered state's ``rows`` after ``calls`` calls, for the
+        other processes."""
+        if self.number is not None:
+            self.group.state_service().publish(self.number, calls, rows)
+
+    def whole(self, calls: int, rows: List[torch.Tensor],
+              params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The sharded state tensors of ``params`` whole, from this
+        process's ``rows`` of them after ``calls`` calls and every other
+        process's rows of the registered state."""
+        gathered = self.group.state_service().gather(self.number, calls,
+                                                     rows)
+        return [self.sharding.whole(torch.cat([rank[j] for rank in gathered]),
+                                    param)
+                for j, param in enumerate(params)]
 
 
 class ShardedExchange(GradientExchange):

@@ -78,6 +78,12 @@ class OptimizerDeviceState:
     #: The flat state entries that hold rows of a sharded tensor.
     row_entries: Set[int] = dataclasses.field(default_factory=set,
                                               init=False)
+    #: The calls that have updated the state (``CompiledModel.run``).
+    calls: int = dataclasses.field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.placement is not None:
+            self.placement.register(self)
 
     @property
     def _device(self) -> torch.device:
@@ -103,6 +109,7 @@ class OptimizerDeviceState:
                                                         saved),
                           broadcast=True)
         optimizer.__dict__.pop(_SAVED, None)
+        self._publish(flat)
         return flat
 
     def build(self, torch_states: List[Mapping], saved: List[Optional[Mapping]],
@@ -165,16 +172,20 @@ class OptimizerDeviceState:
     # --- reading it ---------------------------------------------------------
     def whole_state(self) -> List[Tensor]:
         """The flat state with every tensor whole: the rows of sharded
-        tensors gathered from every process (a collective)."""
+        tensors gathered from every process."""
         flat = list(self.device_state.optimizer)
         if not self.row_entries:
             return flat
         trainable = self._trainable()
-        for position, indices in sorted(self.layout.state_indices().items()):
-            for index in indices:
-                if index in self.row_entries:
-                    flat[index] = self.placement.whole(
-                        flat[index].to(self._device), trainable[position])
+        param_of = {index: trainable[position] for position, indices
+                    in self.layout.state_indices().items()
+                    for index in indices}
+        entries = sorted(self.row_entries)
+        wholes = self.placement.whole(self.calls,
+                                      [flat[i] for i in entries],
+                                      [param_of[i] for i in entries])
+        for index, whole in zip(entries, wholes):
+            flat[index] = whole
         return flat
 
     def placed(self, whole: List[Tensor]) -> List[Tensor]:
@@ -224,6 +235,20 @@ class OptimizerDeviceState:
     def replace(self, flat: List[Tensor]) -> None:
         """Use ``flat`` (from ``build``) from the next call."""
         self.device_state.optimizer = flat
+        self._publish(flat)
+
+    def after_call(self, completed: bool) -> None:
+        """A call ended: it updated the state (``completed``), or it failed
+        and the state is as before."""
+        self.calls += completed
+        self._publish(self.device_state.optimizer)
+
+    def _publish(self, flat: List[Tensor]) -> None:
+        """Give the placement the rows in ``flat`` (other processes gather
+        them)."""
+        if self.row_entries:
+            self.placement.publish(self.calls, [flat[index] for index
+                                                in sorted(self.row_entries)])
 
     def apply_loss_scaling_change(self, old_plan, new_plan) -> None:
         """With automatic loss scaling, a new ``loss_scaling`` (set through
