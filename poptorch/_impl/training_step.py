@@ -312,8 +312,10 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     if forward is None:
         forward = functools.partial(micro_batch_forward, call, analysis)
     check_gradients = settings.attributes.automatic is None
-    running = (settings.gradients.start(_accumulators(example, exchange))
-               if accumulated else [])
+    running = []
+    if accumulated:
+        running = settings.gradients.start(
+            accumulated_like(example["trainable"], exchange))
     rows_done = (accumulated and exchange is not None
                  and exchange.reduces_each_micro_batch)
     sizes = [len(example["trainable"]), len(example["frozen"]),
@@ -376,13 +378,15 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     return graph
 
 
-def _accumulators(example: Dict[str, List[torch.Tensor]],
-                  exchange: Optional[GradientExchange]) -> List[torch.Tensor]:
-    """Tensors shaped as the running gradient buffer holds the trainable
-    parameters' gradients (rows, when the exchange shards it)."""
+def accumulated_like(trainable: List[torch.Tensor],
+                     exchange: Optional[GradientExchange]
+                     ) -> List[torch.Tensor]:
+    """Tensors shaped as the running gradient buffer holds the
+    ``trainable`` parameters' gradients (rows, when the exchange shards
+    it)."""
     if exchange is None:
-        return example["trainable"]
-    return exchange.accumulators(example["trainable"])
+        return trainable
+    return exchange.accumulators(trainable)
 
 
 def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],

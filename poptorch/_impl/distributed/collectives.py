@@ -36,7 +36,13 @@ from ..profiling.ranges import profile_range
 from . import process_group
 
 #: The operators that start a collective in the background.
-STARTS = ("all_reduce_start_", "reduce_scatter_start_")
+_STARTS = ("all_reduce_start_", "reduce_scatter_start_")
+
+
+def is_start(node: torch.fx.Node) -> bool:
+    """Whether a captured graph's ``node`` starts a collective."""
+    return any(node.target is getattr(torch.ops.poptorch, name).default
+               for name in _STARTS)
 
 
 @torch.library.custom_op("poptorch::all_reduce_start_",

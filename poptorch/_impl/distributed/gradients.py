@@ -162,9 +162,7 @@ def start_all_reduces_early(graph: torch.fx.Graph) -> None:
     their inputs exist. No operation moves above one that writes to a
     tensor in place or draws random numbers (writes, reads and random draws
     stay in the traced order)."""
-    targets = {getattr(torch.ops.poptorch, name).default
-               for name in collectives.STARTS}
-    starts = [node for node in graph.nodes if node.target in targets]
+    starts = [node for node in graph.nodes if collectives.is_start(node)]
     if not starts:
         return
     early: Set[torch.fx.Node] = set()

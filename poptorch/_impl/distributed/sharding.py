@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..logger import info_once
-from ..optimizers import loss_scaling
+from ..optimizers.global_attributes import PartialGradients
 from ..optimizers.rule import TensorNorms
 from . import collectives, process_group
 from .collectives import padded_rows, shard_numel
@@ -209,7 +209,19 @@ class ShardedExchange(GradientExchange):
         super().__init__(average)
         self.sharding = sharding
         self.reduces_each_micro_batch = sharding.accumulators
-        self.statistics = ShardedStatistics(sharding.sharded, self)
+
+    def begin(self, like: torch.Tensor) -> None:
+        """A step is traced: its token, and its gradient statistics
+        (``StepScaling``'s ``partial``): the rows of sharded parameters'
+        gradients counted where they are held and totalled over the
+        processes, the whole gradients counted once, here."""
+        super().begin(like)
+        self.statistics = PartialGradients(
+            self.sharding.sharded, self._total, like.device,
+            everywhere=tuple(not s for s in self.sharding.sharded))
+
+    def _total(self, value: torch.Tensor) -> None:
+        torch.ops.poptorch.total_(value, self.token)
 
     def reduce_micro_batch(self, grads: List[torch.Tensor]
                            ) -> List[torch.Tensor]:
@@ -359,9 +371,8 @@ def gathered_rows(graph: torch.fx.GraphModule, node: torch.fx.Node,
     process's rows (an anchored gradient or optimizer state), added to
     ``graph`` after its other collectives, in order with them (the step's
     token)."""
-    starts = {getattr(torch.ops.poptorch, name).default
-              for name in collectives.STARTS}
-    token = next(n.args[-1] for n in graph.graph.nodes if n.target in starts)
+    token = next(n.args[-1] for n in graph.graph.nodes
+                 if collectives.is_start(n))
     with graph.graph.inserting_before(graph.graph.output_node()):
         gathered = graph.graph.call_function(
             torch.ops.poptorch.gather_rows.default,
@@ -387,54 +398,3 @@ def _whole_norms(sharded: List[bool], token: torch.Tensor,
     for index, total in zip(rows, squares.sqrt().to(dtype).unbind()):
         norms[index] = total
     return norms
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedStatistics:
-    """A sharded step's gradient statistics (``StepScaling``'s
-    ``partial``): the rows of sharded parameters' gradients counted on the
-    process that holds them, totalled over the processes (ordered by the
-    ``exchange``'s token); the whole gradients, equal on every process,
-    counted once, here."""
-    sharded: Tuple[bool, ...]
-    exchange: "ShardedExchange"
-
-    def _split(self, grads: List[torch.Tensor]
-               ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        rows = [g for g, s in zip(grads, self.sharded) if s and g.numel()]
-        whole = [g for g, s in zip(grads, self.sharded)
-                 if not s and g.numel()]
-        return rows, whole
-
-    def norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """The 2-norm of all the step's gradients (float32)."""
-        rows, whole = self._split(grads)
-        squares = _sum_of_squares(rows, grads[0].device)
-        torch.ops.poptorch.total_(squares, self.exchange.token)
-        if whole:
-            squares = squares + _sum_of_squares(whole, grads[0].device)
-        return squares.sqrt().to(torch.float32)
-
-    def all_finite(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """Whether all the step's gradients are finite."""
-        rows, whole = self._split(grads)
-        overflows = torch.zeros((), dtype=torch.float64,
-                                device=grads[0].device)
-        finite = loss_scaling.all_finite(rows)
-        if finite is not None:
-            overflows = torch.logical_not(finite).to(torch.float64)
-        torch.ops.poptorch.total_(overflows, self.exchange.token)
-        result = overflows == 0
-        finite = loss_scaling.all_finite(whole)
-        return result if finite is None else result & finite
-
-
-def _sum_of_squares(tensors: List[torch.Tensor],
-                    device: torch.device) -> torch.Tensor:
-    """The sum of the squares of every element of ``tensors`` (0-d,
-    float64)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch.stack(list(torch._foreach_norm(tensors, 2,
-                                                 dtype=torch.float64)))
-    return (norms * norms).sum()

@@ -95,7 +95,7 @@ class StateService:
             if peer == self.rank:
                 gathered.append(rows)
                 continue
-            packed = [torch.empty_like(flat) for flat in _packed(rows)]
+            packed = _empty_packed(rows)
             with self.group.monitor.explaining(
                     f"the gather of the sharded optimizer state from process "
                     f"{peer}", collective=False):
@@ -179,6 +179,13 @@ def _packed(rows: List[torch.Tensor]) -> List[torch.Tensor]:
     dtypes = list(dict.fromkeys(t.dtype for t in rows))
     return [torch.cat([t.detach().reshape(-1).cpu() for t in rows
                        if t.dtype == dtype]) for dtype in dtypes]
+
+
+def _empty_packed(like: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Empty CPU tensors shaped as ``_packed(like)``, to receive into."""
+    dtypes = list(dict.fromkeys(t.dtype for t in like))
+    return [torch.empty(sum(t.numel() for t in like if t.dtype == dtype),
+                        dtype=dtype) for dtype in dtypes]
 
 
 def _unpacked(packed: List[torch.Tensor],

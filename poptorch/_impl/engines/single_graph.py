@@ -25,7 +25,8 @@ from ..failed_calls import CallProgress
 from ..floating_point_checks import StepFlags
 from ..names import mark_parameters
 from ..outputs import OutputCollector
-from ..training_step import StepSettings, TrainingLayout, step_donation
+from ..training_step import (StepSettings, TrainingLayout, accumulated_like,
+                             step_donation)
 from .engine import CompileInputs, Engine, TrainingSetup
 
 
@@ -78,10 +79,9 @@ class SingleGraphEngine(Engine):
                                                update=False)
         graphs = {name: session.graph(name, graph)
                   for name, graph in graphs.items()}
-        exchange = setup.processes.exchange(settings.reduction)
-        trainable = setup.example["trainable"]
-        if exchange is not None:
-            trainable = exchange.accumulators(trainable)
+        trainable = accumulated_like(
+            setup.example["trainable"],
+            setup.processes.exchange(settings.reduction))
         zeros = (settings.gradients.start(trainable)
                  if self._sums_gradients(settings, session) else [])
         written = len(inputs.analysis.written_buffers)

@@ -113,33 +113,54 @@ class GlobalAttributes:
 @dataclasses.dataclass(frozen=True)
 class PartialGradients:
     """The gradients of one process's share of a step's weights (a pipeline
-    stage's): ``counted`` says which of them this process counts in the
-    step's statistics (a weight that several stages read is counted by
-    one), ``total`` sums a 0-d float64 tensor over the processes in place
-    (a collective traced into the update graph)."""
+    stage's, or rows of sharded weights): ``counted`` says which of them
+    this process counts in the step's statistics (a weight that several
+    stages read is counted by one), ``total`` sums a 0-d float64 tensor over
+    the processes in place (a collective traced into the update graph).
+    ``everywhere`` marks gradients every process holds whole (the unsharded
+    weights' of a sharded step): counted once, here, after the total."""
     counted: Tuple[bool, ...]
     total: Callable[[Tensor], None]
     device: torch.device
+    everywhere: Tuple[bool, ...] = ()
+
+    def _everywhere(self, grads: List[Tensor]) -> List[Tensor]:
+        return [g for g, whole in zip(grads, self.everywhere) if whole]
+
+    def _spread(self, grads: List[Tensor]) -> List[Tensor]:
+        everywhere = self.everywhere or (False,) * len(grads)
+        return [g for g, whole in zip(grads, everywhere) if not whole]
 
     def norm(self, grads: List[Tensor]) -> Tensor:
         """The 2-norm of every process's counted gradients."""
-        counted = [g for g, keep in zip(grads, self.counted)
-                   if keep and g.numel()]
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        if counted:
-            norms = torch._foreach_norm(counted, 2, dtype=torch.float64)
-            squares = torch.stack(norms).square().sum()
+        counted = [g for g, keep in zip(grads, self.counted) if keep]
+        squares = _sum_of_squares(counted, self.device)
         self.total(squares)
+        everywhere = self._everywhere(grads)
+        if everywhere:
+            squares = squares + _sum_of_squares(everywhere, self.device)
         return squares.sqrt().to(torch.float32)
 
     def all_finite(self, grads: List[Tensor]) -> Tensor:
         """Whether every process's gradients are all finite."""
-        finite = loss_scaling.all_finite(grads)
+        finite = loss_scaling.all_finite(self._spread(grads))
         overflows = torch.zeros((), dtype=torch.float64, device=self.device)
         if finite is not None:
             overflows = torch.logical_not(finite).to(torch.float64)
         self.total(overflows)
-        return overflows == 0
+        result = overflows == 0
+        finite = loss_scaling.all_finite(self._everywhere(grads))
+        return result if finite is None else result & finite
+
+
+def _sum_of_squares(tensors: List[Tensor], device: torch.device) -> Tensor:
+    """The sum of the squares of every element of ``tensors`` (0-d,
+    float64)."""
+    present = [t for t in tensors if t.numel()]
+    if not present:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(present, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
 
 
 def _widened(grads: List[Tensor]) -> List[Tensor]:

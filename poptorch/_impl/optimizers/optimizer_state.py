@@ -134,8 +134,8 @@ class OptimizerDeviceState:
                 if saved[position] is not None:
                     _override(one, saved[position], group.rule, 0,
                               self.host_params[position])
-                tensors = self._placed(position, [one[n][0] for n in names],
-                                       broadcast)
+                tensors = self._placed(position, trainable[position],
+                                       [one[n][0] for n in names], broadcast)
                 for name, entry, (tensor, in_rows) in zip(
                         names, entries.get(position, []), tensors):
                     state[name].append(tensor)
@@ -147,15 +147,15 @@ class OptimizerDeviceState:
         self.row_entries = rows
         return self.layout.flatten_state(states) + scale_state
 
-    def _placed(self, position: int, tensors: List[Tensor],
+    def _placed(self, position: int, param: Tensor, tensors: List[Tensor],
                 broadcast: bool) -> List[Tuple[Tensor, bool]]:
-        """The state ``tensors`` of the trainable ``position`` as this
-        process keeps them, each with whether it is rows of the whole."""
+        """The state ``tensors`` of the trainable ``param`` at ``position``
+        as this process keeps them, each with whether it is rows of the
+        whole."""
         if self.placement is None:
             return [(tensor, False) for tensor in tensors]
         if broadcast:
             self.placement.broadcast_(tensors)
-        param = self._trainable()[position]
         return [(self.placement.rows(tensor), True)
                 if self.placement.shards(position, tensor, param)
                 else (tensor, False) for tensor in tensors]
