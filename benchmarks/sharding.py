@@ -1,4 +1,5 @@
-"""Replicated tensor sharding of the optimizer state: memory and speed.
+"""Replicated tensor sharding of the optimizer state and weights: memory
+and speed.
 
 A BERT-style encoder (5.3 M parameters: token embedding, 4 transformer
 layers of width 256, a classifier) trained with Adam by ``poprun
@@ -10,7 +11,9 @@ instance, gloo), for n = 2 and 4, in four ways in the same run:
 * poptorch with ``opts.TensorLocations.setOptimizerLocation(
   TensorLocationSettings().useReplicatedTensorSharding(True))`` (ZeRO
   stage 1), and with the same on the accumulator location too (stage 2:
-  the buffer of gradient accumulation, G = 2, sharded);
+  the buffer of gradient accumulation, G = 2, sharded), and with the same
+  on the weight location as well (stage 3: the weights kept as rows
+  between calls, each gathered in the step just before its use);
 * plain PyTorch: ``DistributedDataParallel`` with ``torch.optim.Adam``;
 * plain PyTorch: ``DistributedDataParallel`` with
   ``torch.distributed.optim.ZeroRedundancyOptimizer`` (PyTorch's own
@@ -19,10 +22,11 @@ instance, gloo), for n = 2 and 4, in four ways in the same run:
 Each instance builds every configuration's model (one warm-up step
 each), then times ``--steps`` optimizer steps of each in turn,
 ``--repeats`` times, the processes starting each timing together. Per
-configuration it reports the optimizer state each process keeps (mean over
-the processes) and the samples per second of the whole run (the median
-over the repeats of the slowest process's time). The sharded state should
-be 1/n of the whole state, plus the few small tensors left whole.
+configuration it reports the optimizer state and the weights each process
+keeps between steps (mean over the processes) and the samples per second
+of the whole run (the median over the repeats of the slowest process's
+time). The sharded state (and sharded weights) should be 1/n of the whole,
+plus the few small tensors left whole.
 
 Run by hand: ``.venv/bin/python benchmarks/sharding.py [--instances 2 4]
 [--steps 8] [--repeats 5]``. Prints a markdown table. The machine should
@@ -42,8 +46,9 @@ import time
 import torch
 
 MODES = ("poptorch", "poptorch, optimizer state sharded",
-         "poptorch, optimizer state and accumulator sharded", "torch DDP",
-         "torch DDP + ZeroRedundancyOptimizer")
+         "poptorch, optimizer state and accumulator sharded",
+         "poptorch, weights, optimizer state and accumulator sharded",
+         "torch DDP", "torch DDP + ZeroRedundancyOptimizer")
 VOCABULARY, WIDTH, LAYERS, SEQUENCE, BATCH = 8192, 256, 4, 64, 8
 ACCUMULATION = 2
 
@@ -88,14 +93,17 @@ def _poptorch_step(mode: str, rank: int):
         opts.TensorLocations.setOptimizerLocation(rts)
     if "accumulator" in mode:
         opts.TensorLocations.setAccumulatorLocation(copy.deepcopy(rts))
+    if "weights" in mode:
+        opts.TensorLocations.setWeightLocation(copy.deepcopy(rts))
     torch.manual_seed(0)
     net = Encoder()
     model = poptorch.trainingModel(
         net, opts, torch.optim.Adam(net.parameters(), lr=1e-4))
     tokens, labels = _batches(BATCH * ACCUMULATION, 1, rank)[0]
     model(tokens, labels)
-    state = _state_bytes(model._compiled.state.optimizer)
-    return state, lambda: model(tokens, labels)
+    state = model._compiled.state
+    return ((_state_bytes(state.optimizer), _state_bytes(state.params)),
+            lambda: model(tokens, labels))
 
 
 def _torch_step(zero: bool, rank: int):
@@ -126,7 +134,7 @@ def _torch_step(zero: bool, rank: int):
     local = optimizer.optim if zero else optimizer
     state = _state_bytes([value for entry in local.state.values()
                           for value in entry.values()])
-    return state, step
+    return (state, _state_bytes(list(model.parameters()))), step
 
 
 def worker(steps: int, repeats: int, output: str) -> None:
@@ -150,7 +158,9 @@ def worker(steps: int, repeats: int, output: str) -> None:
                 step()
             seconds[mode].append(time.perf_counter() - start)
     with open(os.path.join(output, f"{rank}.json"), "w") as file:
-        json.dump({mode: {"state": built[mode][0], "seconds": seconds[mode]}
+        json.dump({mode: {"state": built[mode][0][0],
+                          "weights": built[mode][0][1],
+                          "seconds": seconds[mode]}
                    for mode in MODES}, file)
 
 
@@ -176,6 +186,7 @@ def _launch(instances: int, steps: int, repeats: int) -> dict:
                    for k in range(repeats)]
         figures[mode] = {
             "state": sum(r[mode]["state"] for r in runs) / instances,
+            "weights": sum(r[mode]["weights"] for r in runs) / instances,
             "throughput": samples / statistics.median(slowest)}
     return figures
 
@@ -198,14 +209,16 @@ def main() -> None:
           f"torch {torch.__version__}, {platform.processor() or 'cpu'}, "
           f"{os.cpu_count()} cores\n")
     print("| instances | run | optimizer state per process (MiB) | "
-          "samples/s | vs poptorch whole | vs torch DDP |")
-    print("|---|---|---|---|---|---|")
+          "weights per process (MiB) | samples/s | vs poptorch whole | "
+          "vs torch DDP |")
+    print("|---|---|---|---|---|---|---|")
     for instances in arguments.instances:
         figures = _launch(instances, arguments.steps, arguments.repeats)
         base = figures["poptorch"]["throughput"]
         ddp = figures["torch DDP"]["throughput"]
         for mode, result in figures.items():
             print(f"| {instances} | {mode} | {result['state'] / 2**20:.1f} "
+                  f"| {result['weights'] / 2**20:.1f} "
                   f"| {result['throughput']:.1f} | "
                   f"{result['throughput'] / base:.2f} | "
                   f"{result['throughput'] / ddp:.2f} |")

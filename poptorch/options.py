@@ -32,7 +32,7 @@ from ._impl.staging import strategies
 from ._impl.precision.automatic_casting import DEFAULT_POLICY, Policy
 from ._impl.options.config_file import ConfigFileError
 from ._impl.logger import info_once
-from ._impl.options.effects import OPTION_EFFECTS, Effect
+from ._impl.options.effects import OPTION_EFFECTS, Effect, announce_off_chip
 from ._impl.options.groups import UNSET, OptionsGroup, read_only, readable
 from ._impl.options.validation import (check_bool, check_enum, check_int,
                                        check_str, frozen_error, invalid,
@@ -394,6 +394,7 @@ class _TensorLocationOptions(OptionsGroup):
         if not isinstance(location, TensorLocationSettings):
             raise invalid(option, "a poptorch.TensorLocationSettings",
                           location)
+        announce_off_chip(option, location.on_chip)
         return self._store(option, **{name: copy.deepcopy(location)})
 
     def setActivationLocation(self, location: TensorLocationSettings

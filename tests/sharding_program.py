@@ -18,10 +18,12 @@ optimizer state the process kept, to ``OUTPUT_DIR/process<i>.pt``.
 clipping, and saves ``staged`` only.
 
 ``--process-0-saves``: as PopTorch programs save checkpoints, only
-process 0 calls ``optimizer.state_dict()`` of a sharded AdamW model, after
-the first call and after the last, when the other process has finished;
-it saves them beside every process's state dicts of the same run
-unsharded.
+process 0 reads the weights (``net.state_dict()``) and
+``optimizer.state_dict()`` of an AdamW model whose weights and optimizer
+state are sharded, after the first call and after the last, when the
+other process has finished, and then validates the trained module with an
+inference model; it saves them beside every process's checkpoints of the
+same run unsharded.
 
 ``resume``: a sharded run saves a checkpoint half way; a new model loads
 it and trains the second half (its weights and state must equal the
@@ -123,32 +125,47 @@ class Config:
     nan_on_process_0: bool = False     # a NaN in process 0's second call
     reduction: poptorch.ReductionType = poptorch.ReductionType.Mean
     running_mean: bool = False         # MeanReductionStrategy.Running
+    weights: bool = False              # the weights sharded too (stage 3)
+    seed: int = 0                      # of the data
 
 
 CONFIGS = {
-    "sgd": Config(_sgd, accumulators=True),
-    "combined_sgd": Config(_combined_sgd, accumulation=2,
+    "sgd": Config(_sgd, seed=5, accumulators=True),
+    "combined_sgd": Config(_combined_sgd, seed=2, accumulation=2,
                            reduction=poptorch.ReductionType.Sum),
-    "adam_zero2": Config(_adam, accumulation=3, accumulators=True),
-    "adamw_clip": Config(_adamw, accumulation=2, accumulators=True,
+    "adam_zero2": Config(_adam, seed=0, accumulation=3, accumulators=True),
+    "adamw_clip": Config(_adamw, seed=1, accumulation=2, accumulators=True,
                          running_mean=True),
-    "lamb_auto_scale": Config(_lamb, accumulation=2, accumulators=True,
+    "lamb_auto_scale": Config(_lamb, seed=3, accumulation=2,
+                              accumulators=True,
                               automatic_loss_scaling=True,
                               nan_on_process_0=True),
-    "rmsprop_replicas": Config(_rmsprop, accumulation=2, replicas=2,
+    "rmsprop_replicas": Config(_rmsprop, seed=4, accumulation=2, replicas=2,
                                accumulators=True),
+    "adam_zero3": Config(_adam, seed=6, accumulation=3, accumulators=True,
+                         weights=True),
+    "adamw_zero3_clip": Config(_adamw, seed=7, accumulation=2,
+                               running_mean=True, weights=True),
+    "lamb_zero3_auto_scale": Config(_lamb, seed=8, accumulation=2,
+                                    automatic_loss_scaling=True,
+                                    nan_on_process_0=True, weights=True),
+    "sgd_zero3_replicas": Config(_sgd, seed=9, replicas=2, weights=True,
+                                 reduction=poptorch.ReductionType.Sum),
 }
 
 
 def anchors(config: str):
     """Anchored tensors (models without replicas): a sharded weight's
-    gradient and first optimizer state, a whole (small) bias's gradient."""
+    gradient, first optimizer state, value before and after the update,
+    and a whole (small) bias's gradient."""
     if CONFIGS[config].replicas > 1:
         return {}
     state = "Accl___" if "sgd" in config else "Accl1___"
     return {"grad": "Gradient___fc1.weight",
             "bias_grad": "Gradient___fc2.bias",
-            "state": state + "fc1.weight"}
+            "state": state + "fc1.weight",
+            "weight": "fc1.weight",
+            "updated": "UpdatedVar___fc1.weight"}
 
 
 def options(config, sharded: bool) -> poptorch.Options:
@@ -168,6 +185,8 @@ def options(config, sharded: bool) -> poptorch.Options:
         rts = poptorch.TensorLocationSettings().useReplicatedTensorSharding(
             True).minElementsForReplicatedTensorSharding(MIN_ELEMENTS)
         opts.TensorLocations.setOptimizerLocation(rts)
+        if settings.weights:
+            opts.TensorLocations.setWeightLocation(rts)
         if settings.accumulators:
             opts.TensorLocations.setAccumulatorLocation(
                 poptorch.TensorLocationSettings()
@@ -178,7 +197,7 @@ def options(config, sharded: bool) -> poptorch.Options:
 def data(config: str, process: int, opts: poptorch.Options):
     """CALLS batches of this process's data for ``config``."""
     generator = torch.Generator().manual_seed(
-        100 * process + sorted(CONFIGS).index(config))
+        100 * process + CONFIGS[config].seed)
     rows = BATCH * opts.device_iterations * \
         opts.Training.gradient_accumulation * opts.replication_factor
     batches = []
@@ -197,6 +216,12 @@ def state_bytes(model) -> int:
                for t in model._compiled.state.optimizer)
 
 
+def weight_bytes(model) -> int:
+    """Bytes of weights this process keeps for ``model`` between calls."""
+    return sum(t.numel() * t.element_size()
+               for t in model._compiled.state.params)
+
+
 def train(config: str, sharded: bool, start: Net, batches, process: int):
     net = copy.deepcopy(start)
     optimizer = CONFIGS[config].optimizer(net)
@@ -207,7 +232,8 @@ def train(config: str, sharded: bool, start: Net, batches, process: int):
     result = {"weights": net.state_dict(), "losses": losses,
               "anchored": anchored,
               "state_dict": optimizer.state_dict(),
-              "state_bytes": state_bytes(model)}
+              "state_bytes": state_bytes(model),
+              "weight_bytes": weight_bytes(model)}
     model.destroy()
     return result
 
@@ -293,7 +319,7 @@ def staged() -> dict:
 def process_0_saves() -> dict:
     """The ``--process-0-saves`` run (see the module's docstring)."""
     process = int(os.environ["RANK"])
-    config = "adamw_clip"
+    config = "adamw_zero3_clip"
     torch.manual_seed(1 + process)
     start = Net()
     batches = data(config, process, options(config, True))
@@ -306,12 +332,19 @@ def process_0_saves() -> dict:
         for call, (x, y) in enumerate(batches):
             model(x, y)
             if call == 0 and (process == 0 or not sharded):
-                saved[sharded, "first"] = optimizer.state_dict()
+                saved[sharded, "first"] = _checkpoint(net, optimizer)
         if process == 0 and sharded:
             time.sleep(2)   # the other process has left its training loop
         if process == 0 or not sharded:
-            saved[sharded, "last"] = optimizer.state_dict()
+            saved[sharded, "last"] = _checkpoint(net, optimizer)
+            validation = poptorch.inferenceModel(net.eval())
+            saved[sharded, "validation"] = validation(*batches[0])[0]
     return saved if process == 0 else {}
+
+
+def _checkpoint(net, optimizer) -> dict:
+    return {"weights": copy.deepcopy(net.state_dict()),
+            "state_dict": optimizer.state_dict()}
 
 
 def main() -> None:

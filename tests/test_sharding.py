@@ -225,35 +225,31 @@ def _messages(caplog):
             if r.name == "poptorch" and r.levelno == logging.INFO]
 
 
-def test_one_process_run_has_nothing_to_shard(caplog):
-    """Two replicas of one process share one copy of the optimizer state:
-    sharding is logged once as having no effect and training is the same
-    as without it (exactly)."""
-    caplog.set_level(logging.INFO, logger="poptorch")
+@pytest.mark.parametrize("location", ["setOptimizerLocation",
+                                      "setWeightLocation"])
+def test_one_process_run_has_nothing_to_shard(poptorch_log, location):
+    """Two replicas of one process share one copy of the weights and
+    optimizer state: sharding either is logged once as having no effect
+    and training is the same as without it (exactly)."""
     plain = _train(poptorch.Options().replicationFactor(2))
     opts = poptorch.Options().replicationFactor(2)
-    opts.TensorLocations.setOptimizerLocation(_rts())
+    getattr(opts.TensorLocations, location)(_rts())
     sharded = _train(opts)
     for name, value in plain.items():
         assert torch.equal(sharded[name], value), name
-    said = [m for m in _messages(caplog) if "has no effect in a one-process "
-            "run: its replicas already share one copy" in m]
+    said = [m for m in _messages(poptorch_log)
+            if "has no effect in a one-process run: its replicas already "
+               "share one copy of the weights and optimizer state" in m]
     assert len(said) == 1
 
 
-def test_weight_and_accumulator_sharding_say_why_they_have_no_effect(caplog):
-    caplog.set_level(logging.INFO, logger="poptorch")
+def test_accumulator_sharding_alone_says_why_it_has_no_effect(poptorch_log):
     opts = poptorch.Options()
-    opts.TensorLocations.setWeightLocation(_rts())
     opts.TensorLocations.setAccumulatorLocation(_rts())
     _train(opts, steps=1)
-    messages = _messages(caplog)
-    assert any("setWeightLocation with useReplicatedTensorSharding(True) "
-               "has no effect: weights stay whole on every process" in m
-               for m in messages)
     assert any("setAccumulatorLocation with useReplicatedTensorSharding("
                "True) has no effect without it on the optimizer location"
-               in m for m in messages)
+               in m for m in _messages(poptorch_log))
 
 
 def test_small_parameters_keep_whole_state():
@@ -321,15 +317,18 @@ def _assert_state_dicts_close(got, want):
                                            atol=1e-6, rtol=1e-5)
 
 
-def _assert_same_training(sharded, unsharded):
+def _assert_same_training(sharded, unsharded, weights=False):
     """A sharded run's weights and optimizer state dict equal the unsharded
     run's (atol 1e-6, rtol 1e-5), and it kept less than 60 % of the
-    optimizer state bytes (half, and the tensors left whole)."""
+    optimizer state bytes (half, and the tensors left whole); with sharded
+    ``weights``, less than 60 % of the weight bytes too."""
     for name, value in unsharded["weights"].items():
         torch.testing.assert_close(sharded["weights"][name], value,
                                    atol=1e-6, rtol=1e-5)
     _assert_state_dicts_close(sharded["state_dict"], unsharded["state_dict"])
     assert sharded["state_bytes"] < 0.6 * unsharded["state_bytes"]
+    if weights:
+        assert sharded["weight_bytes"] < 0.6 * unsharded["weight_bytes"]
 
 
 @pytest.mark.slow
@@ -339,15 +338,18 @@ def test_sharded_training_equals_unsharded_training(two_processes, config):
     Adam, AdamW, LAMB, RMSprop; gradient accumulation, replicas, a sharded
     gradient buffer with and without accumulation, Sum reduction and the
     running mean, fixed and automatic loss scaling with a skipped step,
-    clipping) trained over 2 processes with sharded optimizer state: the
-    processes end with equal weights, and the weights, losses, anchored
-    gradients and optimizer state (its state_dict(), gathered) equal the
-    unsharded run's (atol 1e-6, rtol 1e-5, as the replication tests). The
-    state each process keeps falls to about half."""
+    clipping) trained over 2 processes with sharded optimizer state, and
+    the ``zero3`` ones with sharded weights too: the processes end with
+    equal weights, and the weights, losses, anchored weights, gradients
+    and optimizer state (its state_dict(), gathered) equal the unsharded
+    run's (atol 1e-6, rtol 1e-5, as the replication tests). The state each
+    process keeps falls to about half, and so do the weights when they
+    are sharded."""
     for process in two_processes:
         result = process[config]
         sharded, unsharded = result["sharded"], result["unsharded"]
-        _assert_same_training(sharded, unsharded)
+        _assert_same_training(sharded, unsharded,
+                              weights=program.CONFIGS[config].weights)
         for name, value in sharded["weights"].items():
             assert torch.equal(value, two_processes[0][config]["sharded"]
                                ["weights"][name])
@@ -360,11 +362,12 @@ def test_sharded_training_equals_unsharded_training(two_processes, config):
 
 @pytest.mark.slow
 def test_the_skipped_step_is_skipped_on_both_processes(two_processes):
-    """lamb_auto_scale's second call has a NaN on process 0 only: the loss
-    scale halved once on both processes, as without sharding."""
+    """The lamb auto_scale runs' second call has a NaN on process 0 only:
+    the loss scale halved once on both processes, as without sharding."""
     for process in two_processes:
-        state = process["lamb_auto_scale"]["sharded"]["state_dict"]
-        assert state["poptorch"]["loss_scale"] == 2.0 ** 15
+        for config in ("lamb_auto_scale", "lamb_zero3_auto_scale"):
+            state = process[config]["sharded"]["state_dict"]
+            assert state["poptorch"]["loss_scale"] == 2.0 ** 15
 
 
 @pytest.mark.slow
@@ -427,12 +430,22 @@ def test_a_multi_stage_model_shards_its_optimizer_state(tmp_path):
 
 @pytest.mark.slow
 def test_process_0_alone_reads_the_sharded_state(tmp_path):
-    """Only process 0 calls optimizer.state_dict() (as PopTorch programs
-    save checkpoints): after the first call, while process 1 goes on to
-    its next call, and after the last, when process 1 has left its
-    training loop and waits at exit. Both state dicts equal the unsharded
-    run's (atol 1e-6), and both processes end normally."""
+    """With sharded weights and optimizer state, only process 0 reads the
+    module's weights and optimizer.state_dict() (as PopTorch programs save
+    checkpoints): after the first call, while process 1 goes on to its
+    next call, and after the last, when process 1 has left its training
+    loop and waits at exit; then it validates the module with an
+    inference model. The weights, state dicts and validation outputs equal
+    the unsharded run's (atol 1e-6), and both processes end normally."""
     first, second = _run_two_processes(tmp_path, "--process-0-saves")
     assert second is None
     for moment in ("first", "last"):
-        _assert_state_dicts_close(first[True, moment], first[False, moment])
+        sharded, unsharded = first[True, moment], first[False, moment]
+        _assert_state_dicts_close(sharded["state_dict"],
+                                  unsharded["state_dict"])
+        for name, value in unsharded["weights"].items():
+            torch.testing.assert_close(sharded["weights"][name], value,
+                                       atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(first[True, "validation"],
+                               first[False, "validation"], atol=1e-6,
+                               rtol=1e-5)

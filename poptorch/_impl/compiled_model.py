@@ -184,6 +184,7 @@ class CompiledModel:
         finally:
             if self.training is not None:
                 self.training.optimizer_state.after_call(completed)
+                self.state.after_call(completed)
         with torch.no_grad():
             for index in self.analysis.written_inputs:
                 if device_inputs[index] is not host_inputs[index]:
@@ -425,6 +426,10 @@ def _compile_training(spec: ModelSpec, inputs: CompileInputs,
     optimizer_state = OptimizerDeviceState(
         training, host_params, state, settings.attributes, placement)
     state.optimizer = optimizer_state.initial(spec.optimizer, spec.plan)
+    if placement is not None:
+        rows = placement.weight_rows(training.trainable)
+        if rows is not None:
+            state.keep_rows(rows)
     hyper = optimizer_state.hyper_values(spec.plan)
     location = OptimizerStateLocation(
         options.TensorLocations.optimizer_location, state.device)

@@ -24,6 +24,9 @@ class DeviceState:
         self.params: List[torch.Tensor] = []
         self.buffers: List[List[torch.Tensor]] = []
         self.optimizer: List[torch.Tensor] = []
+        #: With sharded weights (``distributed/weight_sharding.py``), the
+        #: ``WeightRows`` of the parameters kept as this process's rows.
+        self.rows = None
         self.load_from_host(module)
 
     def _host_tensors(self, module: torch.nn.Module):
@@ -36,8 +39,38 @@ class DeviceState:
         """Copy the module's parameters and buffers to the device."""
         params, buffers = self._host_tensors(module)
         self.params = _copy(params, self.device)
+        if self.rows is not None:
+            self.params = self.rows.cut(self.params)
+            self.rows.publish(self.params)
         self.buffers = [_copy(buffers, self.device)
                         for _ in range(self.buffer_sets)]
+
+    def keep_rows(self, rows) -> None:
+        """From now on keep the weights that ``rows`` (a ``WeightRows``)
+        shards as this process's rows of them."""
+        self.rows = rows
+        self.params = rows.cut(self.params)
+        rows.publish(self.params)
+
+    def whole_params(self) -> List[torch.Tensor]:
+        """The parameters whole: the sharded ones gathered from every
+        process."""
+        if self.rows is None:
+            return self.params
+        return self.rows.whole(self.params)
+
+    def whole_shaped_params(self) -> List[torch.Tensor]:
+        """The parameters, or for sharded ones a tensor of no memory with
+        the whole parameter's shape, dtype and device."""
+        if self.rows is None:
+            return self.params
+        return self.rows.whole_shaped(self.params)
+
+    def after_call(self, completed: bool) -> None:
+        """A training call ended (``completed``, or failed and rolled
+        back): sharded weights serve their rows after it."""
+        if self.rows is not None:
+            self.rows.after_call(completed, self.params)
 
     @torch.no_grad()
     def load_buffers_from_host(self, buffers: Dict[str, torch.Tensor]
@@ -62,7 +95,7 @@ class DeviceState:
         """Copy parameters and the first replica's buffers to the module."""
         params, buffers = self._host_tensors(module)
         if params:
-            torch._foreach_copy_(params, self.params)
+            torch._foreach_copy_(params, self.whole_params())
         if buffers:
             torch._foreach_copy_(buffers, self.buffers[0])
 

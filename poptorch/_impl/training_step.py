@@ -35,6 +35,7 @@ from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
                       trace, trace_user_code)
 from .distributed.gradients import GradientExchange, start_all_reduces_early
+from .distributed.weight_sharding import gather_weights_before_use
 from .floating_point_checks import step_flags
 from .names import (gradient_name, mark_named_tensors, optimizer_state_name,
                     updated_name)
@@ -331,6 +332,9 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             hyper[layout.hyper_size():], state[layout.state_size():],
             exchange.statistics if exchange else None)
 
+        stored = trainable
+        if exchange is not None:
+            trainable = exchange.whole_weights(stored)
         trainable = [t.detach().requires_grad_() for t in trainable]
         params = layout.merge(trainable, frozen)
         with torch.enable_grad(), call.bound(params, buffers):
@@ -341,7 +345,6 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
                                        settings.gradients.loss_factor())
             grads = _gradients(value, trainable)
         outputs = [t.detach() for t in outputs]
-        trainable = [t.detach() for t in trainable]
         if rows_done:
             grads = exchange.reduce_micro_batch(
                 settings.gradients.in_buffer_dtypes(running, grads))
@@ -359,7 +362,7 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
         if exchange is not None:
             grads = exchange.reduce(grads, rows_done)
         new_params, new_state, applied = _apply_update(
-            layout, settings, scaling, trainable, grads, state, hyper,
+            layout, settings, scaling, stored, grads, state, hyper,
             exchange)
         if settings.finite_checks:
             flags = [step_flags(losses, checked if check_gradients else None,
@@ -373,6 +376,7 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     _name_tensors(graph, call.param_names, layout,
                   len(analysis.written_buffers), update, exchange)
     if exchange is not None:
+        gather_weights_before_use(graph.graph)
         start_all_reduces_early(graph.graph)
         graph.recompile()
     return graph
@@ -398,8 +402,8 @@ def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],
     the updated values (its first outputs) and the optimizer state after the
     update (after the ``written`` buffers). The step that only accumulates
     gradients has the names, without values (``names.py``). With a sharding
-    ``exchange``, the gradients and state that are this process's rows are
-    marked with their whole shapes."""
+    ``exchange``, the parameters, gradients and state that are this
+    process's rows are marked with their whole shapes."""
     trainable = [param_names[i] for i in layout.trainable]
     params = trainable + [param_names[i] for i in layout.frozen]
     inputs, gradients, updated = ([None] * len(params),
@@ -416,8 +420,10 @@ def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],
     named = dict(zip(params, inputs))
     named.update(zip(map(gradient_name, trainable), gradients))
     named.update(zip(map(updated_name, trainable), updated))
-    position_of = {gradient_name(name): position
-                   for position, name in enumerate(trainable)}
+    position_of = {}
+    for position, name in enumerate(trainable):
+        for long_name in (name, gradient_name(name), updated_name(name)):
+            position_of[long_name] = position
     for group, group_state in zip(layout.groups,
                                   layout.unflatten_state(state)):
         for state_name, nodes in group_state.items():
@@ -430,7 +436,7 @@ def _name_tensors(graph: torch.fx.GraphModule, param_names: List[str],
     rows = {}
     if exchange is not None and update:
         rows = exchange.row_shapes({
-            name: (named[name], inputs[position].meta["val"].shape, position)
+            name: (named[name], position)
             for name, position in position_of.items()})
     mark_named_tensors(graph, named, rows)
 

@@ -50,7 +50,9 @@ def _fits(bias: Node, product: Node) -> bool:
 
 def fuse_linear_layers(graph: torch.fx.Graph) -> None:
     """Rewrite ``graph`` (in place): ``view(mm(x, w)) + mul(b, 1)`` becomes
-    ``view(addmm(b, x, w))``."""
+    ``view(addmm(b, x, w))``, where the addition was (the bias may be
+    computed after the product: a sharded bias is gathered just before its
+    first use, ``distributed/weight_sharding.py``)."""
     for addition in list(graph.nodes):
         if not _is_call(addition, _ADDITION) or \
                 addition.kwargs.get("alpha", 1) != 1:
@@ -63,9 +65,10 @@ def fuse_linear_layers(graph: torch.fx.Graph) -> None:
         product, bias = view.args[0], scaled.args[0]
         if not (isinstance(bias, Node) and _fits(bias, product)):
             continue
-        with graph.inserting_before(product):
+        with graph.inserting_before(addition):
             fused = graph.call_function(aten.addmm.default,
                                         (bias,) + tuple(product.args[:2]))
+        addition.prepend(view)
         fused.meta["val"] = product.meta.get("val")
         product.replace_all_uses_with(fused)
         view.meta["val"] = addition.meta.get("val")

@@ -12,7 +12,8 @@ data, and the n processes train one global model of n x R replicas:
 3. each optimizer step all-reduces the gradients before the update
    (``gradients.py``), averaging for ``ReductionType.Mean``; with
    replicated tensor sharding each process keeps and updates rows of the
-   optimizer state instead (``sharding.py``);
+   optimizer state instead (``sharding.py``), and of the weights too
+   (``weight_sharding.py``);
 4. a process that fails makes the others raise ``poptorch.Error`` naming
    it, within the run's timeout (``faults.py``).
 

@@ -125,6 +125,12 @@ class GradientExchange:
         """The optimizer step's gradients combined over the processes."""
         return GradientAllReduce(self.average, self.token)(grads)
 
+    def whole_weights(self, stored: List[torch.Tensor]
+                      ) -> List[torch.Tensor]:
+        """The trainable parameters whole from the step's inputs: as they
+        are."""
+        return stored
+
     def accumulators(self, params: List[torch.Tensor]
                      ) -> List[torch.Tensor]:
         """Tensors shaped as the running gradient buffer holds each
@@ -146,13 +152,12 @@ class GradientExchange:
         norms (LAMB): None, the tensors are whole."""
         return None
 
-    def row_shapes(self, named: Dict[str, Tuple[torch.fx.Node, torch.Size,
-                                                int]]
+    def row_shapes(self, named: Dict[str, Tuple[torch.fx.Node, int]]
                    ) -> Dict[str, Tuple[List[int], int]]:
-        """Of the update graph's ``named`` gradients and optimizer state
-        (name: node, the parameter's shape, its trainable position), those
-        that are this process's rows, with the whole shape and the number
-        of processes: none."""
+        """Of the update graph's ``named`` parameters, gradients and
+        optimizer state (name: node, the trainable position of its
+        parameter), those that are this process's rows, with the whole
+        shape and the number of processes: none."""
         return {}
 
 

@@ -1,6 +1,7 @@
 """Replicated tensor sharding (RTS) of a training model's optimizer state
 and running gradient buffer over the processes of a run: ZeRO stages 1
-and 2.
+and 2 (and the exchange of stage 3, whose weights ``weight_sharding.py``
+keeps).
 
 PopTorch programs ask for it with
 ``opts.TensorLocations.setOptimizerLocation(poptorch.TensorLocationSettings()
@@ -39,6 +40,11 @@ well, the running gradient buffer of gradient accumulation is sharded too
 this process's rows, so the buffer takes 1/n of the memory, for G
 reduce-scatters per optimizer step instead of one all-reduce.
 
+With ``setWeightLocation(...useReplicatedTensorSharding(True))`` the
+weights are sharded too (stage 3, ``weight_sharding.py``): the step's
+inputs and outputs are this process's rows of them, each gathered whole
+just before its use, and step 3 above is left out.
+
 Outside the graph, the state is built per parameter (process 0's values,
 broadcast, then cut into rows) and ``optimizer.state_dict()`` gathers it
 whole (``state_service.py``: one process alone may ask), so checkpoints
@@ -57,15 +63,18 @@ from . import collectives, process_group
 from .collectives import padded_rows, shard_numel
 from . import gradients
 from .gradients import GradientAllReduce, GradientExchange, buckets
+from .weight_sharding import WeightRows
 
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
-    """Which trainable parameters have sharded optimizer state, over how
-    many processes."""
+    """Which trainable parameters have sharded optimizer state (and, with
+    ``weights``, are kept in rows themselves), over how many processes."""
     parts: int                       # n, the processes of the run
     sharded: Tuple[bool, ...]        # per trainable position
     accumulators: bool               # the running gradient buffer too
+    weights: bool = False            # the weights too (ZeRO stage 3)
+    shapes: Tuple[torch.Size, ...] = ()   # per trainable position, whole
 
     @staticmethod
     def build(options, trainable: Sequence[torch.Tensor], processes: int,
@@ -73,23 +82,15 @@ class Sharding:
         """The sharding that ``options.TensorLocations`` asks for, for the
         ``trainable`` parameters of a run of ``processes`` processes (a
         multi-stage model when ``staged``); None when there is nothing to
-        shard (the reason logged once)."""
+        shard (the reason logged once). Sharding the weights shards their
+        optimizer state too, as ZeRO stage 3 does; the weight location's
+        ``minElementsForReplicatedTensorSharding`` then chooses the
+        tensors, else the optimizer location's."""
         locations = options.TensorLocations
+        weights = _weights_sharded(locations.weight_location, staged)
         optimizer = locations.optimizer_location
-        accumulator = locations.accumulator_location
-        weight = locations.weight_location
-        if _asks_for_sharding(weight):
-            info_once(
-                "TensorLocations.setWeightLocation with "
-                "useReplicatedTensorSharding(True) has no effect: weights "
-                "stay whole on every process (weight sharding, ZeRO stage "
-                "3, is not implemented; the captured step holds every "
-                "weight through its forward and backward passes, so "
-                "gathering them once per step would not lower its peak "
-                "memory). Sharding the optimizer state "
-                "(setOptimizerLocation) splits the larger part")
-        if not _asks_for_sharding(optimizer):
-            if _asks_for_sharding(accumulator):
+        if not weights and not _asks_for_sharding(optimizer):
+            if _asks_for_sharding(locations.accumulator_location):
                 info_once(
                     "TensorLocations.setAccumulatorLocation with "
                     "useReplicatedTensorSharding(True) has no effect "
@@ -98,28 +99,29 @@ class Sharding:
             return None
         if processes == 1:
             info_once(
-                "Replicated tensor sharding of the optimizer state has no "
-                "effect in a one-process run: its replicas already share "
-                "one copy of the optimizer state; it splits the state over "
-                "the processes of a poprun (or torchrun) run")
+                "Replicated tensor sharding has no effect in a one-process "
+                "run: its replicas already share one copy of the weights "
+                "and optimizer state; it splits them over the processes of "
+                "a poprun (or torchrun) run")
             return None
         if stage_per_process:
             info_once(
-                "Replicated tensor sharding of the optimizer state has no "
-                "effect on a pipeline with one stage per process: each "
-                "process already keeps the state of its own stage only")
+                "Replicated tensor sharding has no effect on a pipeline "
+                "with one stage per process: each process already keeps "
+                "the weights and optimizer state of its own stage only")
             return None
-        minimum = optimizer.min_elements_for_replicated_tensor_sharding
+        chooser = locations.weight_location if weights else optimizer
+        minimum = chooser.min_elements_for_replicated_tensor_sharding
         sharded = tuple(p.numel() > minimum and p.numel() >= processes
                         for p in trainable)
         if not any(sharded):
             info_once(
-                f"Replicated tensor sharding of the optimizer state has no "
-                f"effect: no trainable parameter has more than "
+                f"Replicated tensor sharding has no effect: no trainable "
+                f"parameter has more than "
                 f"minElementsForReplicatedTensorSharding ({minimum}) "
                 f"elements")
             return None
-        accumulators = _asks_for_sharding(accumulator)
+        accumulators = _asks_for_sharding(locations.accumulator_location)
         if accumulators and staged:
             info_once(
                 "TensorLocations.setAccumulatorLocation with "
@@ -127,7 +129,8 @@ class Sharding:
                 "multi-stage model: its stages sum their gradients outside "
                 "the captured optimizer step, whole")
             accumulators = False
-        return Sharding(processes, sharded, accumulators)
+        return Sharding(processes, sharded, accumulators, weights,
+                        tuple(p.shape for p in trainable))
 
     def is_sharded(self, position: int, tensor: torch.Tensor,
                    param: torch.Tensor) -> bool:
@@ -148,6 +151,23 @@ class Sharding:
 
 def _asks_for_sharding(location) -> bool:
     return location is not None and location.replicated_tensor_sharding
+
+
+def _weights_sharded(location, staged: bool) -> bool:
+    """Whether the weight ``location`` shards the weights of a model
+    (``staged``: a multi-stage one, whose weights stay whole, logged)."""
+    if not _asks_for_sharding(location):
+        return False
+    if staged:
+        info_once(
+            "TensorLocations.setWeightLocation with "
+            "useReplicatedTensorSharding(True) has no effect on a "
+            "multi-stage model: weight sharding gathers the weights inside "
+            "one captured step, and the stages of a multi-stage model are "
+            "separate steps, so their weights stay whole (the optimizer "
+            "location's sharding still applies)")
+        return False
+    return True
 
 
 class StatePlacement:
@@ -176,6 +196,19 @@ class StatePlacement:
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """This process's rows of a sharded state ``tensor``."""
         return self.sharding.shard(tensor, self.group.rank)
+
+    def weight_rows(self, trainable: Sequence[int]) -> Optional[WeightRows]:
+        """With sharded weights, the rows this process keeps of them, the
+        model's parameters at ``trainable`` indices being the trainable
+        positions; None when the weights stay whole."""
+        sharding = self.sharding
+        if sharding is None or not sharding.weights:
+            return None
+        positions = [p for p, sharded in enumerate(sharding.sharded)
+                     if sharded]
+        return WeightRows([trainable[p] for p in positions],
+                          [sharding.shapes[p] for p in positions],
+                          sharding.parts, self.group)
 
     def register(self, state) -> None:
         """Serve the rows of ``state`` (an ``OptimizerDeviceState``) to the
@@ -292,30 +325,55 @@ class ShardedExchange(GradientExchange):
                 rows[index] = piece
         return rows
 
+    def whole_weights(self, stored: List[torch.Tensor]
+                      ) -> List[torch.Tensor]:
+        """The trainable parameters whole, from the ``stored`` step inputs:
+        with sharded weights, the rows of the sharded ones all-gathered
+        (``weight_sharding.gather_weights_before_use`` then gathers each
+        just before its first use, and again for the backward pass)."""
+        if not self.sharding.weights:
+            return stored
+        return [torch.ops.poptorch.gather_rows(
+                    rows, self.sharding.parts, list(shape), self.token)
+                if sharded else rows
+                for rows, sharded, shape in zip(stored, self.sharding.sharded,
+                                                self.sharding.shapes)]
+
     def accumulators(self, params: List[torch.Tensor]
                      ) -> List[torch.Tensor]:
-        """With a sharded running buffer, rows for the sharded
-        parameters."""
-        if not self.sharding.accumulators:
-            return params
-        return [p.new_empty(shard_numel(p.numel(), self.sharding.parts))
-                if sharded else p
-                for p, sharded in zip(params, self.sharding.sharded)]
+        """Tensors shaped as the running buffer holds the gradients of the
+        trainable parameters stored as ``params``: rows for the sharded
+        ones with a sharded buffer, else whole."""
+        parts = self.sharding.parts
+        shaped = []
+        for param, sharded, shape in zip(params, self.sharding.sharded,
+                                         self.sharding.shapes):
+            if sharded and self.sharding.accumulators:
+                param = param.new_empty(shard_numel(shape.numel(), parts))
+            elif sharded and self.sharding.weights:
+                param = param.new_empty(shape)
+            shaped.append(param)
+        return shaped
 
     def local(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
-        """This process's rows of the sharded parameters, the others
-        whole."""
+        """This process's rows of the sharded parameters (stored as rows
+        already when the weights are sharded), the others whole."""
+        if self.sharding.weights:
+            return params
         parts = self.sharding.parts
         return [torch.ops.poptorch.local_shard(p, parts) if sharded else p
                 for p, sharded in zip(params, self.sharding.sharded)]
 
     def gather(self, updated: List[torch.Tensor],
                params: List[torch.Tensor]) -> List[torch.Tensor]:
-        """The whole updated parameters, shaped as ``params``: the rows of
-        the sharded ones all-gathered, the others as they are. A parameter
-        of at least ``gradients.FIRST_BUCKET_BYTES`` is gathered alone,
-        straight into its whole tensor; smaller ones share buckets (by
-        dtype and size), cut into their tensors by a copy."""
+        """The updated parameters as the step stores them, shaped as
+        ``params``: with sharded weights, the rows as they are; else the
+        rows of the sharded ones all-gathered whole, the others as they
+        are. A parameter of at least ``gradients.FIRST_BUCKET_BYTES`` is
+        gathered alone, straight into its whole tensor; smaller ones share
+        buckets (by dtype and size), cut into their tensors by a copy."""
+        if self.sharding.weights:
+            return updated
         parts = self.sharding.parts
         positions = [i for i, sharded in enumerate(self.sharding.sharded)
                      if sharded]
@@ -339,17 +397,17 @@ class ShardedExchange(GradientExchange):
                     param.shape)
         return result
 
-    def row_shapes(self, named: Dict[str, Tuple[torch.fx.Node, torch.Size,
-                                                int]]
+    def row_shapes(self, named: Dict[str, Tuple[torch.fx.Node, int]]
                    ) -> Dict[str, Tuple[List[int], int]]:
-        """Of the update graph's ``named`` gradients and optimizer state
-        (name: node, the parameter's shape, its trainable position), those
-        that are this process's rows (shaped ``[k]``, which a sharded
-        parameter of N > k elements never is), with the whole shape and the
-        number of processes."""
+        """Of the update graph's ``named`` parameters, gradients and
+        optimizer state (name: node, the trainable position of its
+        parameter), those that are this process's rows (shaped ``[k]``,
+        which a sharded parameter of N > k elements never is), with the
+        whole shape and the number of processes."""
         parts = self.sharding.parts
         rows = {}
-        for name, (node, shape, position) in named.items():
+        for name, (node, position) in named.items():
+            shape = self.sharding.shapes[position]
             size = shard_numel(shape.numel(), parts)
             if (self.sharding.sharded[position] and node is not None
                     and tuple(node.meta["val"].shape) == (size,)):

@@ -90,7 +90,10 @@ class OptimizerDeviceState:
         return self.device_state.device
 
     def _trainable(self) -> List[Tensor]:
-        return [self.device_state.params[i] for i in self.layout.trainable]
+        """The trainable parameters, or tensors of their shape, dtype and
+        device where this process keeps rows of them (sharded weights)."""
+        params = self.device_state.whole_shaped_params()
+        return [params[i] for i in self.layout.trainable]
 
     def hyper_values(self, plan) -> List[Tensor]:
         """The step's hyper-parameter inputs for ``plan``'s values."""

@@ -25,10 +25,11 @@ _TENSOR_LOCATIONS = Effect(
 _SHARDING = (
     "on the optimizer location (docs/replicated_tensor_sharding.md), the "
     "optimizer state of each parameter is split over the processes of a "
-    "multi-process run (ZeRO stage 1), and with the accumulator location's "
-    "too the gradient accumulation buffer (stage 2); one-process runs, "
-    "weights and pipelines with one stage per process log why it has no "
-    "effect")
+    "multi-process run (ZeRO stage 1), with the accumulator location's "
+    "too the gradient accumulation buffer (stage 2), and on the weight "
+    "location the trained weights as well, gathered in the step just "
+    "before use (stage 3); one-process runs and pipelines with one stage "
+    "per process log why it has no effect")
 _IO_TILES = Effect(NO_EFFECT, "IPU I/O tiles do not exist on CPU/GPU")
 _SOURCE_LOCATIONS = Effect(
     IMPLEMENTED, "frames of these files are skipped when capture errors "
@@ -183,7 +184,11 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         "removed"),
     "TensorLocations.numIOTiles": _IO_TILES,
     "TensorLocations.setActivationLocation": _TENSOR_LOCATIONS,
-    "TensorLocations.setWeightLocation": _TENSOR_LOCATIONS,
+    "TensorLocations.setWeightLocation": Effect(
+        IMPLEMENTED, "useReplicatedTensorSharding(True) shards the trained "
+        "weights over the processes of a multi-process run, each gathered "
+        "inside the step just before it is used (single-graph models); "
+        "off-chip storage of weights has no effect yet"),
     "TensorLocations.setOptimizerLocation": Effect(
         IMPLEMENTED, "on CUDA, useOnChipStorage(False) keeps optimizer state "
         "in pinned host memory between calls (no effect on a CPU device, "
@@ -191,9 +196,9 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         "processes of a multi-process run"),
     "TensorLocations.setAccumulatorLocation": Effect(
         IMPLEMENTED, "with useReplicatedTensorSharding(True) here and on the "
-        "optimizer location, the gradient accumulation buffer is sharded "
-        "over the processes of a multi-process run; its off-chip storage "
-        "has no effect yet"),
+        "optimizer (or weight) location, the gradient accumulation buffer "
+        "is sharded over the processes of a multi-process run; its "
+        "off-chip storage has no effect yet"),
     "TensorLocationSettings.useOnChipStorage": Effect(
         IMPLEMENTED, "False on the optimizer location keeps optimizer state "
         "in host memory between calls on CUDA; on the other locations it "
@@ -205,7 +210,8 @@ OPTION_EFFECTS: Dict[str, Effect] = {
         "the GPU between calls when the optimizer location is off chip"),
     "TensorLocationSettings.minElementsForReplicatedTensorSharding": Effect(
         IMPLEMENTED, "parameters with at most this many elements keep their "
-        "optimizer state whole on every process"),
+        "optimizer state (and, on the weight location, their weights) whole "
+        "on every process"),
     "TensorLocationSettings.useIOTilesToLoad": _IO_TILES,
     "TensorLocationSettings.useIOTilesToStore": _IO_TILES,
     "Distributed.configureProcessId": _DISTRIBUTED,
@@ -240,3 +246,18 @@ def announce_effect(option: str) -> None:
         info_once(f"{option} has no effect yet: it {effect.note}, which is "
                   "not available in this version. The value is validated "
                   "and stored.")
+
+
+#: The tensor locations whose off-chip storage (``useOnChipStorage(False)``)
+#: has no effect yet, though their other settings do.
+_OFF_CHIP_WITHOUT_EFFECT = ("TensorLocations.setWeightLocation",
+                            "TensorLocations.setAccumulatorLocation")
+
+
+def announce_off_chip(option: str, on_chip) -> None:
+    """Log once at INFO when ``option`` sets off-chip storage
+    (``on_chip`` False) for a location that cannot have it yet."""
+    if on_chip is False and option in _OFF_CHIP_WITHOUT_EFFECT:
+        info_once(f"{option} with useOnChipStorage(False) has no effect "
+                  "yet: off-chip storage of these tensors is not available "
+                  "in this version (the tensors stay in device memory)")

@@ -85,7 +85,7 @@ def saved_activation_bytes(graph: torch.fx.GraphModule) -> int:
     forward = _forward_nodes(graph)
     saved: Dict[torch.fx.Node, int] = {}
     for node in forward:
-        if any(_is_backward(user) for user in node.users):
+        if any(is_backward(user) for user in node.users):
             for storage in _storages(node, forward):
                 saved[storage] = _tensor_bytes(storage.meta.get("val"))
     return sum(saved.values())
@@ -113,7 +113,9 @@ def _fresh(value: Any) -> Any:
     return value
 
 
-def _is_backward(node: torch.fx.Node) -> bool:
+def is_backward(node: torch.fx.Node) -> bool:
+    """Whether a captured training step's ``node`` belongs to its backward
+    pass (``PASS_KEY``)."""
     return (node.meta.get("custom") or {}).get(PASS_KEY) == BACKWARD
 
 
@@ -122,7 +124,7 @@ def _forward_nodes(graph: torch.fx.GraphModule) -> Set[torch.fx.Node]:
     graph has no backward node."""
     forward: Set[torch.fx.Node] = set()
     for node in graph.graph.nodes:
-        if _is_backward(node):
+        if is_backward(node):
             return forward
         if node.op != "placeholder":
             forward.add(node)
