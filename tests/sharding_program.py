@@ -40,11 +40,13 @@ from typing import Callable
 import torch
 
 import poptorch
-from poptorch._impl.distributed import gradients
+from poptorch._impl.distributed import gradients, weight_sharding
 
 # Buckets of 128 bytes: this small model's gradients go in several buckets,
-# and its larger weights are gathered one by one, as a large model's are.
+# and its larger weights are gathered one by one, as a large model's are;
+# sharded weights are gathered alone or a few together.
 gradients.FIRST_BUCKET_BYTES = gradients.BUCKET_BYTES = 128
+weight_sharding.GATHER_BUCKET_BYTES = 128
 
 CALLS = 3
 BATCH = 4

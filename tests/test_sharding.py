@@ -79,6 +79,13 @@ class ThreadGroup:
     def all_gather(self, part, what):
         return torch.cat(self._exchange(("ag",), part.reshape(-1)))
 
+    def start_all_gather(self, part, key):
+        self.shared.started[(self.rank, "ag", key)] = part.clone()
+
+    def finish_all_gather(self, key, what):
+        part = self.shared.started.pop((self.rank, "ag", key))
+        return torch.cat(self._exchange(("ag", key), part.reshape(-1)))
+
     def all_reduce_(self, tensor, what):
         tensor.copy_(sum(self._exchange(("total",), tensor)))
 

@@ -6,12 +6,13 @@ processes, against the same step on whole weights; what is logged where
 weight sharding has nothing to do. Training with sharded weights over
 real processes is compared with unsharded training in test_sharding.py
 (slow)."""
+import pytest
 import torch
 import torch.fx.traceback as fx_traceback
 
 import poptorch
 from poptorch._impl.capture import trace
-from poptorch._impl.distributed import collectives
+from poptorch._impl.distributed import collectives, weight_sharding
 from poptorch._impl.distributed.weight_sharding import (
     gather_weights_before_use)
 from poptorch._impl.profiling.facts import BACKWARD, PASS_KEY
@@ -55,48 +56,74 @@ def _captured_step() -> torch.fx.GraphModule:
 
 
 def _most_whole_weights_alive(graph: torch.fx.Graph) -> int:
-    """The most gathered weights whose memory is alive at one time: a
-    gather's result lives until the last use of it or of a view of it."""
+    """The most gathered buckets of weights whose memory is alive at one
+    time: a bucket from the start of its collective until the last use of
+    it or of a view of it."""
     order = {node: i for i, node in enumerate(graph.nodes)}
-    root = {}
+    started = {node.args[1]: order[node] for node in graph.nodes
+               if node.target is torch.ops.poptorch.all_gather_start_.default}
+    root, begins = {}, {}
     for node in graph.nodes:
         if node.target is torch.ops.poptorch.gather_rows.default:
-            root[node] = node
+            root[node], begins[node] = node, order[node]
+        elif node.target is torch.ops.poptorch.all_gather_wait.default:
+            root[node], begins[node] = node, started[node.args[1]]
         elif (isinstance(node.target, torch._ops.OpOverload)
               and node.target.is_view and node.args[0] in root):
             root[node] = root[node.args[0]]
     ends = {}
-    for node, gather in root.items():
+    for node, bucket in root.items():
         last = max((order[user] for user in node.users), default=order[node])
-        ends[gather] = max(ends.get(gather, 0), last)
-    return max(sum(1 for gather, end in ends.items()
-                   if order[gather] <= i <= end) for i in order.values())
+        ends[bucket] = max(ends.get(bucket, 0), last)
+    return max(sum(1 for bucket, end in ends.items()
+                   if begins[bucket] <= i <= end) for i in order.values())
 
 
-def test_weights_are_gathered_just_before_use_and_again_for_backward():
-    """Captured as written, the step gathers the four layers' weights at
-    its start and holds them all through both passes; after the pass it
-    holds the whole weights of at most two layers (four tensors) at a
-    time, and the backward pass has its own gathers."""
+def _waits(graph: torch.fx.GraphModule, backward: bool):
+    return [n for n in graph.graph.nodes
+            if n.target is torch.ops.poptorch.all_gather_wait.default
+            and ((n.meta.get("custom") or {}).get(PASS_KEY) == BACKWARD)
+            == backward]
+
+
+def test_weights_are_gathered_just_before_use_and_again_for_backward(
+        monkeypatch):
+    """With one weight per bucket: captured as written, the step gathers
+    the four layers' weights at its start and holds them all through both
+    passes; after the pass it holds at most five at a time (two layers'
+    weight and bias, and the next weight arriving), and the backward pass
+    has its own gathers."""
+    monkeypatch.setattr(weight_sharding, "GATHER_BUCKET_BYTES", 1)
     graph = _captured_step()
     assert _most_whole_weights_alive(graph.graph) == len(SHAPES)
     gather_weights_before_use(graph.graph)
-    assert _most_whole_weights_alive(graph.graph) <= 4
-    gathers = [n for n in graph.graph.nodes
-               if n.target is torch.ops.poptorch.gather_rows.default]
-    backward = [n for n in gathers
-                if (n.meta.get("custom") or {}).get(PASS_KEY) == BACKWARD]
+    assert _most_whole_weights_alive(graph.graph) <= 5
     # The weight matrix of every layer but the first (whose backward use
     # would be the input's gradient, not needed) is gathered again; the
     # backward pass does not read the biases.
-    assert len(backward) == LAYERS - 1
-    assert len(gathers) == len(SHAPES) + LAYERS - 1
+    assert len(_waits(graph, backward=False)) == len(SHAPES)
+    assert len(_waits(graph, backward=True)) == LAYERS - 1
 
 
-def test_the_gathering_step_computes_the_whole_steps_gradients(monkeypatch):
+def test_small_weights_are_gathered_together(monkeypatch):
+    """Weights of fewer bytes than a bucket together are gathered by one
+    collective in each pass."""
+    monkeypatch.setattr(weight_sharding, "GATHER_BUCKET_BYTES", 1 << 20)
+    graph = _captured_step()
+    gather_weights_before_use(graph.graph)
+    assert len(_waits(graph, backward=False)) == 1
+    assert len(_waits(graph, backward=True)) == 1
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 1 << 20])
+def test_the_gathering_step_computes_the_whole_steps_gradients(
+        monkeypatch, bucket_bytes):
     """The reordered step run by two simulated processes, each with its
     rows, returns the gradients that autograd computes on the whole
-    weights (atol 1e-6), on both processes."""
+    weights (atol 1e-6), on both processes, with buckets of one weight,
+    of a few, and of all."""
+    monkeypatch.setattr(weight_sharding, "GATHER_BUCKET_BYTES",
+                        bucket_bytes)
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(s, generator=generator) for s in SHAPES]
     x = torch.randn(3, WIDTH, generator=generator)

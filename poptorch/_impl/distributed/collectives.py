@@ -11,6 +11,9 @@ failed peer raises ``poptorch.Error`` instead of hanging.
   (``sharding.py``);
 * ``all_gather``: every process's ``[K]`` part, in rank order;
   ``gather_rows``: a sharded tensor whole from its rows;
+* ``all_gather_start_`` / ``all_gather_wait``: a bucket of sharded
+  weights' rows (``[K]``) gathered in the background, every process's in
+  rank order (``weight_sharding.py`` cuts the whole weights from it);
 * ``total_``: a tensor summed over the processes, in place;
 * ``local_shard`` (no collective): this process's part of a tensor,
   flattened and padded with zeros to a multiple of n (row ``rank`` of
@@ -130,6 +133,35 @@ def _gather_rows(rows: torch.Tensor, parts: int, shape: List[int],
 def _gather_rows_fake(rows: torch.Tensor, parts: int, shape: List[int],
                       token: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(shape)
+
+
+@torch.library.custom_op("poptorch::all_gather_start_",
+                         mutates_args=("flat", "token"))
+def _all_gather_start_(flat: torch.Tensor, bucket: int,
+                       token: torch.Tensor) -> None:
+    with profile_range("all-gather"):
+        process_group.current().start_all_gather(flat, bucket)
+
+
+@_all_gather_start_.register_fake
+def _all_gather_start_fake(flat: torch.Tensor, bucket: int,
+                           token: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("poptorch::all_gather_wait",
+                         mutates_args=("flat", "token"))
+def _all_gather_wait(flat: torch.Tensor, bucket: int, parts: int,
+                     token: torch.Tensor) -> torch.Tensor:
+    with profile_range("all-gather wait"):
+        return process_group.current().finish_all_gather(
+            bucket, "the all-gather of the sharded weights")
+
+
+@_all_gather_wait.register_fake
+def _all_gather_wait_fake(flat: torch.Tensor, bucket: int, parts: int,
+                          token: torch.Tensor) -> torch.Tensor:
+    return flat.new_empty(flat.numel() * parts)
 
 
 @torch.library.custom_op("poptorch::local_shard", mutates_args=())

@@ -47,6 +47,7 @@ class ProcessGroup:
         self._pending: Dict[int, Tuple[dist.Work, int]] = {}
         self._scattering: Dict[int, Tuple[dist.Work, int,
                                           Optional[torch.Tensor]]] = {}
+        self._gathering: Dict[int, Tuple[dist.Work, int, torch.Tensor]] = {}
 
     def start_all_reduce_(self, tensor: torch.Tensor, key: int) -> None:
         """Start summing ``tensor`` over the processes, in place; the
@@ -107,6 +108,24 @@ class ProcessGroup:
         whole = part.new_empty(part.numel() * self.size)
         sequence = self.monitor.start()
         work = dist.all_gather_single(whole, part.reshape(-1), async_op=True)
+        self.monitor.wait(work, what, sequence, self.blocking)
+        return whole
+
+    def start_all_gather(self, part: torch.Tensor, key: int) -> None:
+        """Start gathering the processes' ``part`` tensors; the operation
+        runs in the background until ``finish_all_gather(key)`` returns
+        them, one after another in rank order, as one flat tensor."""
+        if key in self._gathering:
+            raise Error(f"Distributed run: all-gather {key} started twice "
+                        "without waiting for it")
+        whole = part.new_empty(part.numel() * self.size)
+        sequence = self.monitor.start()
+        work = dist.all_gather_single(whole, part.reshape(-1), async_op=True)
+        self._gathering[key] = (work, sequence, whole)
+
+    def finish_all_gather(self, key: int, what: str) -> torch.Tensor:
+        """Wait for the all-gather ``key``; the gathered flat tensor."""
+        work, sequence, whole = self._gathering.pop(key)
         self.monitor.wait(work, what, sequence, self.blocking)
         return whole
 

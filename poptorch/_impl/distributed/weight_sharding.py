@@ -19,6 +19,10 @@ Inside the captured training step:
   such as a linear layer's transposed weight), so that the whole weights
   are held a few layers at a time in each pass
   (``gather_weights_before_use``);
+* weights gathered one after another in a pass share one collective, in
+  buckets of up to ``GATHER_BUCKET_BYTES``, and each bucket's collective
+  starts as soon as the previous bucket has arrived, so that it runs while
+  the step computes with the previous one (FSDP's prefetch);
 * the gradients are reduce-scattered and each process updates its rows,
   as with a sharded optimizer state, and the step's outputs are the new
   rows: there is no all-gather after the update.
@@ -31,26 +35,38 @@ module after a training call, inference models of the same module,
 that one process may read them alone, as PopTorch programs save their
 checkpoints and validate on process 0.
 """
+import math
 from typing import Dict, List, Set
 
 import torch
 
 from ..profiling.facts import BACKWARD, PASS_KEY, is_backward
-from .collectives import padded_rows
+from .collectives import padded_rows, shard_numel
+
+
+#: Whole bytes of the weights gathered by one collective at most (a larger
+#: weight is gathered alone).
+GATHER_BUCKET_BYTES = 4 << 20
 
 
 def gather_weights_before_use(graph: torch.fx.Graph) -> None:
-    """Move each gather of a sharded weight (a ``gather_rows`` of a step
-    input) to just before its first use, and give the backward pass its
-    own gather, before its first use there, of the weight and of the views
-    of it that the forward pass computed. The gathers stay ordered by the
-    step's token (``collectives.py``), in the same order on every
-    process."""
+    """Place the gathers of the sharded weights (``gather_rows`` of step
+    inputs, as traced) where they are needed: each weight is needed just
+    before its first use, and again before its first use in the backward
+    pass (with the views of it that the forward pass computed). Then
+    gather consecutive weights of a pass together, in buckets of up to
+    ``GATHER_BUCKET_BYTES``, each bucket's collective started when the
+    previous bucket has arrived, so that it runs while the step computes
+    with the previous bucket. The collectives stay ordered by the step's
+    token (``collectives.py``), in the same order on every process."""
     for gather in [node for node in graph.nodes if _gathers_weight(node)]:
         _gather_again_for_backward(graph, gather)
         users = _in_order(graph, gather.users)
         if users:
             users[0].prepend(gather)
+    previous = None
+    for number, bucket in enumerate(_buckets(graph)):
+        previous = _gathered_together(graph, bucket, number, previous)
     graph.lint()
 
 
@@ -114,6 +130,95 @@ def _gather_again_for_backward(graph: torch.fx.Graph,
             copies[node] = copy
     for user, view in uses:
         user.replace_input_with(view, copies[view])
+
+
+def _buckets(graph: torch.fx.Graph) -> List[List[torch.fx.Node]]:
+    """The weight gathers of ``graph`` in order, cut into buckets: runs of
+    the same pass and dtype of up to ``GATHER_BUCKET_BYTES`` whole."""
+    buckets: List[List[torch.fx.Node]] = []
+    size = 0
+    for gather in (node for node in graph.nodes if _gathers_weight(node)):
+        value = gather.meta["val"]
+        nbytes = value.numel() * value.element_size()
+        if (not buckets or size + nbytes > GATHER_BUCKET_BYTES
+                or is_backward(gather) != is_backward(buckets[-1][0])
+                or value.dtype != buckets[-1][0].meta["val"].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(gather)
+        size += nbytes
+    return buckets
+
+
+def _gathered_together(graph: torch.fx.Graph, bucket: List[torch.fx.Node],
+                       number: int, previous) -> torch.fx.Node:
+    """Replace the ``bucket`` of gathers by one collective: its start
+    after the node ``previous`` (the previous bucket's wait; else just
+    before its own wait), its wait where the first gather was, followed by
+    the whole weights cut from what it gathered. Returns the wait."""
+    first = bucket[0]
+    parts, token = first.args[1], first.args[3]
+    node = _NodeMaker(graph, first)
+    with graph.inserting_before(previous.next if previous is not None
+                                else first):
+        flat = node(torch.ops.aten.cat.default,
+                    [gather.args[0] for gather in bucket])
+        node(torch.ops.poptorch.all_gather_start_.default, flat, number,
+             token)
+    with graph.inserting_before(first):
+        wait = node(torch.ops.poptorch.all_gather_wait.default, flat,
+                    number, parts, token)
+        weights = _cut(node, wait, parts,
+                       [list(gather.args[2]) for gather in bucket])
+    for gather, weight in zip(bucket, weights):
+        gather.replace_all_uses_with(weight)
+        graph.erase_node(gather)
+    return wait
+
+
+def _cut(node, whole: torch.fx.Node, parts: int,
+         shapes: List[List[int]]) -> List[torch.fx.Node]:
+    """Nodes computing the tensors shaped ``shapes`` whose rows, one
+    tensor after another, every process gathered into ``whole``
+    (``[parts, K]`` flat): views of ``whole`` for a bucket of one, else
+    copies of its columns."""
+    aten = torch.ops.aten
+    numels = [math.prod(shape) for shape in shapes]
+    if len(shapes) == 1:
+        return [node(aten.view.default,
+                     node(aten.slice.Tensor, whole, 0, 0, numels[0]),
+                     shapes[0])]
+    table = node(aten.view.default, whole, [parts, -1])
+    weights, start = [], 0
+    for numel, shape in zip(numels, shapes):
+        size = shard_numel(numel, parts)
+        columns = node(aten.slice.Tensor, table, 1, start, start + size)
+        copied = node(aten.clone.default, columns,
+                      memory_format=torch.contiguous_format)
+        flat = node(aten.view.default, copied, [-1])
+        weights.append(node(aten.view.default,
+                            node(aten.slice.Tensor, flat, 0, 0, numel),
+                            shape))
+        start += size
+    return weights
+
+
+class _NodeMaker:
+    """Makes call nodes in ``graph`` with the pass annotation of ``like``
+    and their ``meta["val"]`` computed in its fake mode."""
+
+    def __init__(self, graph: torch.fx.Graph, like: torch.fx.Node) -> None:
+        self.graph = graph
+        self.annotation = dict(like.meta.get("custom") or {})
+        self.fake_mode = like.meta["val"].fake_mode
+
+    def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        node.meta["custom"] = dict(self.annotation)
+        values = torch.fx.node.map_arg(args, lambda arg: arg.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*values, **kwargs)
+        return node
 
 
 class WeightRows:
