@@ -8,7 +8,8 @@ default for torch's arguments). Besides torch's hyper-parameters they have
 PopTorch's extra attributes (``loss_scaling``, ``velocity_scaling``,
 ``max_grad_norm``, the accumulation types, ...), readable and settable on the
 optimizer (``opt.loss_scaling = 2.0``) and in each param group; all of them
-except ``velocity_scaling`` must be the same in every param group.
+except ``velocity_scaling`` and LAMB's ``max_weight_norm`` must be the same in
+every param group.
 
 ``variable_attrs`` says which attributes are variable (can be changed after
 compilation and applied with ``setOptimizer``) and which are constant: the
@@ -254,7 +255,10 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     ``bias_correction=True``), the update ``u = m / (sqrt(v) + eps) +
     weight_decay * w`` is applied as ``w -= lr * phi(||w||) / ||u|| * u``,
     with ``phi(z) = min(z, max_weight_norm)`` (``max_weight_norm=None``: no
-    clamping) and a ratio of 1 when either norm is 0.
+    clamping) and a ratio of 1 when ``phi(||w||)`` or ``||u||`` is 0: so
+    ``max_weight_norm=0`` in a param group gives its parameters plain Adam
+    steps without the layer-wise adaptation (Optimum Graphcore's BERT
+    recipes put the biases in such a group).
 
     Defaults: ``lr=1e-3``, ``betas=(0.9, 0.999)``, ``eps=1e-8``,
     ``weight_decay=1e-2``, ``bias_correction=False``, ``loss_scaling=1.0``,

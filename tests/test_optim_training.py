@@ -98,6 +98,21 @@ def assert_snapshot_equal(model, before):
 
 P = poptorch.optim
 T = torch.optim
+def _optimum_lamb(params):
+    """Optimum Graphcore's LAMB recipe: the biases in a param group with
+    max_weight_norm 0 (no layer-wise adaptation) and no weight decay,
+    max_weight_norm a constant attribute."""
+    params = list(params)
+    optimizer = P.LAMB(
+        [{"params": [p for p in params if p.dim() > 1],
+          "weight_decay": 0.01},
+         {"params": [p for p in params if p.dim() == 1],
+          "weight_decay": 0.0, "max_weight_norm": 0.0}],
+        lr=0.01, max_weight_norm=None, bias_correction=True)
+    optimizer.variable_attrs.markAsConstant("max_weight_norm")
+    return optimizer
+
+
 PARITY = {
     "torch-sgd": (lambda p: T.SGD(p, lr=0.1), lambda p: T.SGD(p, lr=0.1)),
     "torch-sgd-momentum-wd": (
@@ -152,6 +167,7 @@ PARITY = {
                          max_weight_norm=1.0),
         lambda p: P.LAMB(p, lr=0.01, bias_correction=True,
                          max_weight_norm=1.0)),
+    "lamb-optimum-groups": (_optimum_lamb, _optimum_lamb),
 }
 
 
@@ -166,6 +182,25 @@ def test_optimizer_trains_like_its_torch_counterpart(case, accumulation):
     train_both(model, twin, theirs(twin.parameters()),
                accumulation=accumulation)
     assert_same_weights(module, twin, atol=ATOL)
+
+
+def test_optimum_lamb_recipe_trains_the_biases(pair):
+    """max_weight_norm 0 in the biases' param group turns LAMB's layer-wise
+    adaptation off (a trust ratio of 1, as where the clamped weight norm
+    is 0) rather than freezing the biases: after one call each bias moved
+    by lr times its first Adam step, whose entries are +-1 (the
+    bias-corrected m_hat / sqrt(v_hat) of one gradient, less eps)."""
+    module, _ = pair
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    opts = poptorch.Options()
+    model = poptorch.trainingModel(module, opts,
+                                   _optimum_lamb(module.parameters()))
+    model(*make_data(2, seed=0))
+    for name, param in module.named_parameters():
+        if param.dim() == 1:
+            step = (before[name] - param.detach()).abs()
+            torch.testing.assert_close(step, torch.full_like(step, 0.01),
+                                       atol=1e-6, rtol=1e-3)
 
 
 @pytest.mark.parametrize("ours,theirs", [

@@ -477,7 +477,7 @@ def lamb_reference(params, grad_sequence, lr, betas, eps, weight_decay,
             weight_norm = float(weights[i].norm())
             update_norm = float(update.norm())
             phi = weight_norm if max_weight_norm is None else min(weight_norm, max_weight_norm)
-            trust = phi / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+            trust = phi / update_norm if phi > 0 and update_norm > 0 else 1.0
             weights[i] = weights[i] - lr * trust * update
     return weights, m, v
 
@@ -487,6 +487,8 @@ LAMB_CASES = {
     "bias_correction": dict(bias_correction=True),
     "clamped_weight_norm": dict(max_weight_norm=1.5, weight_decay=0.1),
     "no_weight_decay": dict(weight_decay=0.0, betas=(0.8, 0.99)),
+    # Optimum Graphcore's group for biases: no layer-wise adaptation.
+    "adaptation_off": dict(max_weight_norm=0.0, weight_decay=0.0),
 }
 
 
@@ -509,6 +511,11 @@ def test_lamb_matches_paper_reference(case):
     host_params = [p.detach().clone().requires_grad_() for p in params]
     host_steps(optim.LAMB(host_params, **arguments), host_params, grad_sequence)
     assert_all_close(host_params, weights)
+
+
+def test_lamb_refuses_a_negative_max_weight_norm():
+    with pytest.raises(Error, match="invalid max_weight_norm -1.0"):
+        optim.LAMB(initial_params(), max_weight_norm=-1.0)
 
 
 def test_lamb_weight_norm_clamping_changes_the_update():

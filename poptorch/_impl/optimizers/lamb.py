@@ -10,7 +10,9 @@ For each parameter tensor ``w`` (a "layer"), with gradient ``g``::
     w = w - lr * phi(||w||) / ||u|| * u
 
 with ``phi(z) = min(z, max_weight_norm)`` (no clamping when
-``max_weight_norm`` is None) and a trust ratio of 1 when either norm is 0.
+``max_weight_norm`` is None) and a trust ratio of 1 when ``phi(||w||)`` or
+``||u||`` is 0, so that ``max_weight_norm=0`` (which may differ between
+param groups) turns the layer-wise adaptation off.
 PopTorch's default is the biased version (no bias correction).
 """
 import functools
@@ -100,7 +102,10 @@ class LAMBRule(UpdateRule):
 
     def _trust_ratios(self, weights: List[Tensor], update: List[Tensor],
                       hyper: Dict[str, Tensor], norms: TensorNorms) -> Tensor:
-        """Per param, ``phi(||w||) / ||u||``, or 1 where a norm is 0."""
+        """Per param, ``phi(||w||) / ||u||``, or 1 where ``phi(||w||)`` or
+        ``||u||`` is 0: ``max_weight_norm=0`` turns the layer-wise
+        adaptation off for a param group (an Adam step scaled by ``lr``),
+        as Optimum Graphcore's LAMB uses it for biases."""
         norm_dtype = functools.reduce(torch.promote_types, dtypes_of(weights),
                                       torch.float32)
         weight_norms = stacked(norms(weights, norm_dtype))
@@ -108,7 +113,7 @@ class LAMBRule(UpdateRule):
         scaled_norms = weight_norms
         if self.clamp_weight_norm:
             scaled_norms = torch.clamp(weight_norms, max=hyper["max_weight_norm"])
-        both_positive = (weight_norms > 0) & (update_norms > 0)
+        both_positive = (scaled_norms > 0) & (update_norms > 0)
         return torch.where(both_positive, scaled_norms / update_norms,
                            torch.ones_like(weight_norms))
 

@@ -17,7 +17,7 @@ from .rule import UpdateRule, clip_grad_norm
 ACCUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: Extra attributes whose value may differ between param groups.
-PER_GROUP_EXTRAS = ("velocity_scaling",)
+PER_GROUP_EXTRAS = ("velocity_scaling", "max_weight_norm")
 
 
 class VariableAttributes:
@@ -68,6 +68,11 @@ def _is_positive_number(value: Any) -> bool:
             and value > 0 and not math.isnan(value))
 
 
+def _is_zero(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value == 0)
+
+
 def check_extra(owner: str, name: str, value: Any) -> None:
     """Raise a clear error if ``value`` is not valid for extra attribute
     ``name`` of optimizer ``owner``."""
@@ -77,8 +82,10 @@ def check_extra(owner: str, name: str, value: Any) -> None:
     elif name == "max_grad_norm":
         valid, allowed = _is_positive_number(value), "a number > 0 (inf: no clipping)"
     elif name == "max_weight_norm":
-        valid, allowed = (value is None or _is_positive_number(value),
-                          "None (no clamping) or a number > 0")
+        valid, allowed = (value is None or _is_positive_number(value)
+                          or _is_zero(value),
+                          "None (no clamping), 0 (no layer-wise adaptation) "
+                          "or a number > 0")
     elif name.endswith("accum_type"):
         valid, allowed = (value is None or value in ACCUM_DTYPES,
                           "None or one of " + ", ".join(map(str, ACCUM_DTYPES)))
