@@ -40,8 +40,7 @@ class DeviceState:
         params, buffers = self._host_tensors(module)
         self.params = _copy(params, self.device)
         if self.rows is not None:
-            self.params = self.rows.cut(self.params)
-            self.rows.publish(self.params)
+            self._cut_into_rows()
         self.buffers = [_copy(buffers, self.device)
                         for _ in range(self.buffer_sets)]
 
@@ -49,8 +48,13 @@ class DeviceState:
         """From now on keep the weights that ``rows`` (a ``WeightRows``)
         shards as this process's rows of them."""
         self.rows = rows
-        self.params = rows.cut(self.params)
-        rows.publish(self.params)
+        self._cut_into_rows()
+
+    def _cut_into_rows(self) -> None:
+        """Keep only this process's rows of the sharded weights in
+        ``params``, and serve them to the other processes."""
+        self.params = self.rows.cut(self.params)
+        self.rows.publish(self.params)
 
     def whole_params(self) -> List[torch.Tensor]:
         """The parameters whole: the sharded ones gathered from every

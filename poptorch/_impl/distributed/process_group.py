@@ -14,7 +14,7 @@ they start, so that they run while the step computes (``gradients.py``,
 import atexit
 import datetime
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,28 +44,42 @@ class ProcessGroup:
                                     hosts_store=_hosts_store(self.rank))
         self.blocking = dist.get_backend() == "gloo"
         self._service = None
-        self._pending: Dict[int, Tuple[dist.Work, int]] = {}
-        self._scattering: Dict[int, Tuple[dist.Work, int,
-                                          Optional[torch.Tensor]]] = {}
-        self._gathering: Dict[int, Tuple[dist.Work, int, torch.Tensor]] = {}
+        #: The collectives started and not yet waited for, by kind and
+        #: key: their work, fault-monitor sequence and result tensor.
+        self._in_flight: Dict[Tuple[str, int], Tuple[
+            dist.Work, int, Optional[torch.Tensor]]] = {}
+
+    def _start(self, kind: str, key: int,
+               issue: Callable[[], Tuple[dist.Work, Optional[torch.Tensor]]]
+               ) -> None:
+        """Start a collective of ``kind`` (``issue()``: its work and result
+        tensor), to be waited for by ``_wait(kind, key)``."""
+        if (kind, key) in self._in_flight:
+            raise Error(f"Distributed run: {kind} {key} started twice "
+                        "without waiting for it")
+        sequence = self.monitor.start()
+        work, result = issue()
+        self._in_flight[kind, key] = (work, sequence, result)
+
+    def _wait(self, kind: str, key: int,
+              what: str) -> Optional[torch.Tensor]:
+        """Wait for the collective ``_start`` began; its result tensor."""
+        work, sequence, result = self._in_flight.pop((kind, key))
+        self.monitor.wait(work, what, sequence, self.blocking)
+        return result
 
     def start_all_reduce_(self, tensor: torch.Tensor, key: int) -> None:
         """Start summing ``tensor`` over the processes, in place; the
         operation runs in the background until ``finish_all_reduce_(key)``.
         """
-        if key in self._pending:
-            raise Error(f"Distributed run: all-reduce {key} started twice "
-                        "without waiting for it")
-        sequence = self.monitor.start()
-        self._pending[key] = (dist.all_reduce(tensor, async_op=True),
-                              sequence)
+        self._start("all-reduce", key,
+                    lambda: (dist.all_reduce(tensor, async_op=True), None))
 
     def finish_all_reduce_(self, tensor: torch.Tensor, key: int,
                            average: bool, what: str) -> None:
         """Wait for the all-reduce ``key`` of ``tensor``; with ``average``,
         divide the sum by the number of processes."""
-        work, sequence = self._pending.pop(key)
-        self.monitor.wait(work, what, sequence, self.blocking)
+        self._wait("all-reduce", key, what)
         if average:
             tensor.div_(self.size)
 
@@ -77,25 +91,20 @@ class ProcessGroup:
         twice as long as its all-reduce of the same tensor (21 MB between
         two CPU processes: 49 ms against 21 ms), ``flat`` is all-reduced in
         place and the row taken from it."""
-        if key in self._scattering:
-            raise Error(f"Distributed run: reduce-scatter {key} started "
-                        "twice without waiting for it")
-        sequence = self.monitor.start()
-        if self.blocking:
-            part = None
-            work = dist.all_reduce(flat, async_op=True)
-        else:
+        def issue():
+            if self.blocking:
+                return dist.all_reduce(flat, async_op=True), None
             part = flat.new_empty(flat.numel() // self.size)
-            work = dist.reduce_scatter_single(part, flat, async_op=True)
-        self._scattering[key] = (work, sequence, part)
+            return dist.reduce_scatter_single(part, flat, async_op=True), part
+
+        self._start("reduce-scatter", key, issue)
 
     def finish_reduce_scatter(self, flat: torch.Tensor, key: int,
                               average: bool, what: str) -> torch.Tensor:
         """Wait for the reduce-scatter ``key`` of ``flat``; return this
         process's part of the sum (with ``average``, divided by the number
         of processes)."""
-        work, sequence, part = self._scattering.pop(key)
-        self.monitor.wait(work, what, sequence, self.blocking)
+        part = self._wait("reduce-scatter", key, what)
         if part is None:
             part = flat.view(self.size, -1)[self.rank].clone()
         if average:
@@ -105,9 +114,8 @@ class ProcessGroup:
     def all_gather(self, part: torch.Tensor, what: str) -> torch.Tensor:
         """The processes' ``part`` tensors, one after another in rank
         order, as one flat tensor."""
-        whole = part.new_empty(part.numel() * self.size)
         sequence = self.monitor.start()
-        work = dist.all_gather_single(whole, part.reshape(-1), async_op=True)
+        work, whole = self._issue_all_gather(part)
         self.monitor.wait(work, what, sequence, self.blocking)
         return whole
 
@@ -115,19 +123,17 @@ class ProcessGroup:
         """Start gathering the processes' ``part`` tensors; the operation
         runs in the background until ``finish_all_gather(key)`` returns
         them, one after another in rank order, as one flat tensor."""
-        if key in self._gathering:
-            raise Error(f"Distributed run: all-gather {key} started twice "
-                        "without waiting for it")
-        whole = part.new_empty(part.numel() * self.size)
-        sequence = self.monitor.start()
-        work = dist.all_gather_single(whole, part.reshape(-1), async_op=True)
-        self._gathering[key] = (work, sequence, whole)
+        self._start("all-gather", key, lambda: self._issue_all_gather(part))
 
     def finish_all_gather(self, key: int, what: str) -> torch.Tensor:
         """Wait for the all-gather ``key``; the gathered flat tensor."""
-        work, sequence, whole = self._gathering.pop(key)
-        self.monitor.wait(work, what, sequence, self.blocking)
-        return whole
+        return self._wait("all-gather", key, what)
+
+    def _issue_all_gather(self, part: torch.Tensor
+                          ) -> Tuple[dist.Work, torch.Tensor]:
+        whole = part.new_empty(part.numel() * self.size)
+        return (dist.all_gather_single(whole, part.reshape(-1),
+                                       async_op=True), whole)
 
     def all_reduce_(self, tensor: torch.Tensor, what: str) -> None:
         """Sum ``tensor`` over the processes, in place."""

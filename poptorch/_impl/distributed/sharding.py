@@ -143,10 +143,17 @@ class Sharding:
         """Row ``rank`` of ``tensor`` (a copy, so the whole can be freed)."""
         return padded_rows(tensor, self.parts)[rank].clone()
 
-    def whole(self, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The tensor shaped as ``like`` from its ``rows`` gathered in rank
+    def whole(self, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The tensor of ``shape`` from its ``rows`` gathered in rank
         order."""
-        return rows[:like.numel()].view(like.shape).clone()
+        return rows[:shape.numel()].view(shape).clone()
+
+    def wholes(self, gathered: List[List[torch.Tensor]],
+               shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+        """The tensors of ``shapes`` whole from every process's rows of
+        them (``gathered``: one list per process, in rank order)."""
+        return [self.whole(torch.cat([rank[j] for rank in gathered]), shape)
+                for j, shape in enumerate(shapes)]
 
 
 def _asks_for_sharding(location) -> bool:
@@ -201,14 +208,9 @@ class StatePlacement:
         """With sharded weights, the rows this process keeps of them, the
         model's parameters at ``trainable`` indices being the trainable
         positions; None when the weights stay whole."""
-        sharding = self.sharding
-        if sharding is None or not sharding.weights:
+        if self.sharding is None or not self.sharding.weights:
             return None
-        positions = [p for p, sharded in enumerate(sharding.sharded)
-                     if sharded]
-        return WeightRows([trainable[p] for p in positions],
-                          [sharding.shapes[p] for p in positions],
-                          sharding.parts, self.group)
+        return WeightRows(self.sharding, trainable, self.group)
 
     def register(self, state) -> None:
         """Serve the rows of ``state`` (an ``OptimizerDeviceState``) to the
@@ -229,9 +231,7 @@ class StatePlacement:
         process's rows of the registered state."""
         gathered = self.group.state_service().gather(self.number, calls,
                                                      rows)
-        return [self.sharding.whole(torch.cat([rank[j] for rank in gathered]),
-                                    param)
-                for j, param in enumerate(params)]
+        return self.sharding.wholes(gathered, [p.shape for p in params])
 
 
 class ShardedExchange(GradientExchange):

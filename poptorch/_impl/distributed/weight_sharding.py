@@ -41,7 +41,7 @@ from typing import Dict, List, Set
 import torch
 
 from ..profiling.facts import BACKWARD, PASS_KEY, is_backward
-from .collectives import padded_rows, shard_numel
+from .collectives import shard_numel
 
 
 #: Whole bytes of the weights gathered by one collective at most (a larger
@@ -222,17 +222,19 @@ class _NodeMaker:
 
 
 class WeightRows:
-    """The rows of the sharded trainable weights this process keeps between
-    calls, at ``indices`` of ``DeviceState.params``, of weights shaped
-    ``shapes``, over ``parts`` processes. Gathering them whole asks every
-    process's state service (``state_service.py``) for its rows after the
-    same number of calls, so one process may gather alone."""
+    """The rows this process keeps between calls of the trainable weights
+    that ``sharding`` (``sharding.Sharding``) shards, the model's
+    parameters at ``trainable`` indices (of ``DeviceState.params``) being
+    its trainable positions. Gathering them whole asks every process's
+    state service (``state_service.py``) for its rows after the same
+    number of calls, so one process may gather alone."""
 
-    def __init__(self, indices: List[int], shapes: List[torch.Size],
-                 parts: int, group) -> None:
-        self.indices = indices
-        self.shapes = shapes
-        self.parts = parts
+    def __init__(self, sharding, trainable: List[int], group) -> None:
+        positions = [p for p, sharded in enumerate(sharding.sharded)
+                     if sharded]
+        self.sharding = sharding
+        self.indices = [trainable[p] for p in positions]
+        self.shapes = [sharding.shapes[p] for p in positions]
         self.group = group
         self.calls = 0
         self.number = group.state_service().register(self)
@@ -240,10 +242,9 @@ class WeightRows:
     def cut(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """``params`` with the sharded weights (whole) replaced by this
         process's rows of them (copies, so the whole can be freed)."""
-        rank = self.group.rank
         cut = list(params)
         for index in self.indices:
-            cut[index] = padded_rows(params[index], self.parts)[rank].clone()
+            cut[index] = self.sharding.shard(params[index], self.group.rank)
         return cut
 
     def whole(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -253,9 +254,9 @@ class WeightRows:
         gathered = self.group.state_service().gather(
             self.number, self.calls, [params[i] for i in self.indices])
         whole = list(params)
-        for j, (index, shape) in enumerate(zip(self.indices, self.shapes)):
-            flat = torch.cat([rows[j] for rows in gathered])
-            whole[index] = flat[:shape.numel()].view(shape).clone()
+        for index, tensor in zip(self.indices,
+                                 self.sharding.wholes(gathered, self.shapes)):
+            whole[index] = tensor
         return whole
 
     def whole_shaped(self, params: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -63,14 +63,13 @@ class VariableAttributes:
         return f"VariableAttributes(variable={variable}, constant={constant})"
 
 
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not math.isnan(value))
+
+
 def _is_positive_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and value > 0 and not math.isnan(value))
-
-
-def _is_zero(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and value == 0)
+    return _is_number(value) and value > 0
 
 
 def check_extra(owner: str, name: str, value: Any) -> None:
@@ -82,8 +81,8 @@ def check_extra(owner: str, name: str, value: Any) -> None:
     elif name == "max_grad_norm":
         valid, allowed = _is_positive_number(value), "a number > 0 (inf: no clipping)"
     elif name == "max_weight_norm":
-        valid, allowed = (value is None or _is_positive_number(value)
-                          or _is_zero(value),
+        valid, allowed = (value is None
+                          or (_is_number(value) and value >= 0),
                           "None (no clamping), 0 (no layer-wise adaptation) "
                           "or a number > 0")
     elif name.endswith("accum_type"):
