@@ -909,8 +909,10 @@ class Options(OptionsGroup):
         TorchInductor, ``"aot_eager"`` runs AOTAutograd's functionalized
         graph (for debugging) and ``"auto"`` (the default) starts on
         ``"graph"`` and moves to Inductor's steps, compiled in the
-        background, once the model has spent ``POPTORCH_TIER_UP_AFTER``
-        seconds (default 10) in calls. Takes precedence over ``POPTORCH_BACKEND``. With
+        background, once the model has spent long enough in calls to repay
+        the compilation (2 s or more, measured on its first calls; fixed by
+        ``POPTORCH_TIER_UP_AFTER``). Takes precedence over
+        ``POPTORCH_BACKEND``. With
         ``cuda_graphs=True`` a model on a CUDA device replays each call's
         whole loop as one CUDA graph (no effect on the CPU)."""
         from ._impl.backends.selection import backend_choices

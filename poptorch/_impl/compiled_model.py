@@ -165,9 +165,20 @@ class CompiledModel:
         that ``forward`` writes in place are written back. Between calls,
         an ``auto`` model's steps may move to their compiled tier."""
         tiers = self.session.tiers
-        if tiers is not None:
-            tiers.before_call()
+        if tiers is None:
+            return self._call(host_inputs, progress)
+        tiers.before_call()
         start = time.perf_counter()
+        completed = False
+        try:
+            outputs = self._call(host_inputs, progress)
+            completed = True
+        finally:
+            tiers.after_call(time.perf_counter() - start, completed)
+        return outputs
+
+    def _call(self, host_inputs: List[torch.Tensor],
+              progress: failed_calls.CallProgress) -> List[torch.Tensor]:
         layout = self.layout
         timer = CallTimer(len(host_inputs), layout.device_iterations,
                           layout.gradient_accumulation)
@@ -191,8 +202,6 @@ class CompiledModel:
                     host_inputs[index].copy_(device_inputs[index])
         timer.outputs_transferred(len(outputs))
         self.timer = timer
-        if tiers is not None:
-            tiers.after_call(time.perf_counter() - start)
         return outputs
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ import torch
 from ...errors import Error
 from ..logger import logger
 from .backend import Backend, CompiledStep, register
+from ..intra_op_threads import own_threads
 from .in_place import Donation
 from .vector_isa import remembered_check
 
@@ -61,18 +62,21 @@ class InductorBackend(Backend):
                 donation: Optional[Donation] = None) -> CompiledStep:
         """Inductor plans its own buffer reuse: ``donation`` is not used."""
         from torch._inductor import standalone_compile
-        artifact = standalone_compile(graph, list(example_inputs),
-                                      dynamic_shapes="from_example_inputs",
-                                      aot=True)
+        with generating_kernels_for(kernel_threads()):
+            artifact = standalone_compile(
+                graph, list(example_inputs),
+                dynamic_shapes="from_example_inputs", aot=True)
         return InductorStep(artifact)
 
     def settings_fingerprint(self) -> str:
         """Inductor's configuration (``torch._inductor.config``, which its
         ``TORCHINDUCTOR_*`` environment variables set), without the values
-        that do not travel between processes."""
+        that do not travel between processes, and the threads its CPU
+        kernels are generated for."""
         from torch._inductor import config
-        settings = json.dumps(config.save_config_portable(), sort_keys=True,
-                              default=repr)
+        settings = json.dumps({"config": config.save_config_portable(),
+                               "kernel threads": kernel_threads()},
+                              sort_keys=True, default=repr)
         return hashlib.sha256(settings.encode()).hexdigest()
 
     def serialize(self, step: CompiledStep,
@@ -100,6 +104,25 @@ class InductorBackend(Backend):
             temporary_cache_dir
         with temporary_cache_dir(directory), remembered_check(directory):
             yield
+
+
+def kernel_threads() -> int:
+    """The threads Inductor's CPU kernels are generated for: its
+    ``cpp.threads``, else this process's own intra-op threads (those lent
+    included). A kernel's parallel loops are compiled for that many
+    threads, so a step compiled by a process with fewer (a background
+    compilation's worker) would run its loops on fewer."""
+    from torch._inductor import config
+    return config.cpp.threads if config.cpp.threads >= 1 else own_threads()
+
+
+@contextlib.contextmanager
+def generating_kernels_for(threads: int) -> Iterator[None]:
+    """Compile CPU kernels for ``threads`` threads, whatever this process
+    runs on."""
+    from torch._inductor import config
+    with config.patch({"cpp.threads": threads}):
+        yield
 
 
 _LOAD_INTO = """

@@ -1,6 +1,7 @@
 """Tiered compilation for the ``auto`` backend: the graph tier at once,
 Inductor's steps compiled in another process once a model has run long
-enough (``tier_up.py``, ``background.py``, ``worker.py``)."""
+enough to repay it (``threshold.py``, ``tier_up.py``, ``background.py``,
+``worker.py``)."""
 from .tier_up import TieredCompilation, TieredStep
 
 __all__ = ["TieredCompilation", "TieredStep"]

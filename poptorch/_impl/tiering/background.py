@@ -3,8 +3,8 @@ another process (``worker.py``), which writes them to the executable
 cache; this process then loads them from there.
 
 The job is written to a temporary directory (graphs as JSON, constants as
-tensors, the executable keys) and the worker started at a lower priority
-with one compile thread. ``poll`` says whether it is still running, done or
+tensors, the executable keys, the threads the kernels are for) and the
+worker started at a lower priority with one thread. ``poll`` says whether it is still running, done or
 failed (with the end of its error output). A process that exits while its
 worker runs stops it (``atexit``); a worker whose parent is gone ends
 itself. The cache's atomic writes mean a stopped worker leaves no
@@ -57,10 +57,10 @@ class BackgroundCompile:
     """A worker process compiling ``steps`` into ``cache_directory``."""
 
     def __init__(self, steps: List[StepJob], cache_directory: str,
-                 model_name: str, lock: str) -> None:
+                 model_name: str, lock: str, kernel_threads: int) -> None:
         self._lock = lock
         self._directory = tempfile.mkdtemp(prefix="poptorch-tier-up-")
-        self._write_job(steps, cache_directory, model_name)
+        self._write_job(steps, cache_directory, model_name, kernel_threads)
         self._errors = open(os.path.join(self._directory, "stderr"), "w+b")
         self._process: Optional[subprocess.Popen] = subprocess.Popen(
             [sys.executable, "-m", "poptorch._impl.tiering.worker",
@@ -71,9 +71,10 @@ class BackgroundCompile:
         _running.add(self)
 
     def _write_job(self, steps: List[StepJob], cache_directory: str,
-                   model_name: str) -> None:
+                   model_name: str, kernel_threads: int) -> None:
         documents = {s.name: serialize_graph(s.graph) for s in steps}
         job = {"cache_directory": cache_directory, "model_name": model_name,
+               "kernel_threads": kernel_threads,
                "steps": [{"name": s.name, "key": s.key,
                           "graph": documents[s.name][0],
                           "inputs": s.inputs()} for s in steps]}

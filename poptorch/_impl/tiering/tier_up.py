@@ -1,8 +1,7 @@
 """The tiers of the ``auto`` backend (docs/compiled_execution.md, "Tiered
 compilation"): a model's steps start on the ``graph`` backend, which
 compiles nothing, and move to Inductor's compiled steps once the model has
-spent ``POPTORCH_TIER_UP_AFTER`` seconds in calls (default
-``DEFAULT_TIER_UP_SECONDS``).
+spent long enough in calls to repay the compilation (``threshold.py``).
 
 Inductor compiles in another process (``background.py``) that writes the
 executable cache; this process loads the entries from there between two
@@ -35,16 +34,15 @@ from ...errors import Error
 from ..backends import get_backend
 from ..distributed.faults import process_exists
 from ..backends.in_place import Donation
+from ..backends.inductor import kernel_threads
+from ..intra_op_threads import give_back_one, lend_one
 from ..executable_cache import (ExecutableCache, entry_key, executable_key,
                                 ENTRY_SUFFIX, load_cached, prepare_directory,
                                 trusted_directory)
 from ..logger import logger
 from ..profiling.ranges import profile_range
 from .background import FAILED, RUNNING, BackgroundCompile, StepJob, release
-
-#: Seconds of calls after which a model's steps are compiled by Inductor.
-DEFAULT_TIER_UP_SECONDS = 10.0
-TIER_UP_VARIABLE = "POPTORCH_TIER_UP_AFTER"
+from .threshold import TierUpThreshold, lends_a_thread
 
 
 class TieredStep:
@@ -66,7 +64,7 @@ class TieredCompilation:
         self._cache = cache
         self._options = options
         self._show_progress = show_progress
-        self._threshold = tier_up_seconds()
+        self._threshold = TierUpThreshold()
         self._inductor = get_backend("inductor")
         self._steps: Dict[str, TieredStep] = {}
         self._jobs: List[StepJob] = []
@@ -76,7 +74,7 @@ class TieredCompilation:
         self._given_up = False
         self._lock: Optional[str] = None
         self._bar = None
-        self._threads: Optional[int] = None
+        self._lent = False
 
     def add(self, name: str, graph: torch.fx.GraphModule,
             example_inputs: List[torch.Tensor],
@@ -116,13 +114,14 @@ class TieredCompilation:
         """Whether every step runs Inductor's compiled code."""
         return not self._jobs and not self._given_up
 
-    def after_call(self, seconds: float) -> None:
-        """A call of ``seconds`` ended: start the tier-up when the model has
-        spent the threshold in calls."""
+    def after_call(self, seconds: float, completed: bool) -> None:
+        """A call of ``seconds`` ended (``completed``, or failed): start the
+        tier-up when the model has spent the threshold in calls."""
         if not self._jobs or self._compile or self._waiting:
             return
+        self._threshold.after_call(seconds, completed)
         self._seconds += seconds
-        if self._seconds >= self._threshold:
+        if self._threshold.reached(self._seconds):
             self._start()
 
     def before_call(self) -> None:
@@ -135,6 +134,8 @@ class TieredCompilation:
         elif self._waiting and not _lock_alive(self._lock):
             self._waiting = False
             self._start()
+        elif self._jobs:
+            self._threshold.before_call()
 
     def _after_compile(self) -> None:
         """Switch, or give up, once this process's worker has ended."""
@@ -167,7 +168,7 @@ class TieredCompilation:
             with profile_range("start background compile"):
                 self._compile = BackgroundCompile(
                     self._jobs, self._cache.directory,
-                    self._cache.model_name, self._lock)
+                    self._cache.model_name, self._lock, kernel_threads())
         except Exception as error:  # pylint: disable=broad-except
             # Whatever stops the compilation must not stop the training.
             release(self._lock)
@@ -213,15 +214,12 @@ class TieredCompilation:
     def _end_compile(self) -> None:
         self._compile.stop()
         self._compile = None
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
-            self._threads = None
+        if self._lent:
+            give_back_one()
+            self._lent = False
 
     def _lend_a_thread(self) -> None:
-        threads = torch.get_num_threads()
-        if threads > 1 and threads >= (os.cpu_count() or 1):
-            self._threads = threads
-            torch.set_num_threads(threads - 1)
+        self._lent = lends_a_thread() and lend_one()
 
     def _progress_start(self) -> None:
         if self._show_progress:
@@ -236,22 +234,6 @@ class TieredCompilation:
             self._bar.update(1)
             self._bar.close()
             self._bar = None
-
-
-def tier_up_seconds() -> float:
-    """``POPTORCH_TIER_UP_AFTER`` (seconds of calls, ``inf`` for never),
-    else ``DEFAULT_TIER_UP_SECONDS``."""
-    text = os.environ.get(TIER_UP_VARIABLE)
-    if not text:
-        return DEFAULT_TIER_UP_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise Error(f"{TIER_UP_VARIABLE} must be a number of seconds >= 0 "
-                    f"(or inf), got {text!r}")
-    return value
 
 
 def _claim(lock: str) -> bool:

@@ -3,15 +3,16 @@
     python -m poptorch._impl.tiering.worker JOB_DIRECTORY
 
 reads the job that ``background.py`` wrote (``job.json``: the cache
-directory, the model's name and, per step, its executable key, graph and
-input metadata; ``constants.pt``: the graphs' constant tensors), compiles
-each step with the Inductor backend and writes it to the executable cache
-under its key (atomically: a reader never sees half an entry). It exits 0
-when every step is in the cache.
+directory, the model's name, the threads the kernels are for and, per
+step, its executable key, graph and input metadata; ``constants.pt``: the
+graphs' constant tensors), compiles each step with the Inductor backend and
+writes it to the executable cache under its key (atomically: a reader never
+sees half an entry). It exits 0 when every step is in the cache.
 
-The process runs at a lower priority with one compile thread, so that the
-training loop that started it keeps its cores, and it ends itself when
-that process is gone (no orphan compiles on).
+The process runs at a lower priority on one thread, so that the training
+loop that started it keeps its cores; its kernels are generated for the
+training process's threads, which run them. It ends itself when that
+process is gone (no orphan compiles on).
 """
 import json
 import os
@@ -23,6 +24,7 @@ from typing import Any, Dict, List
 import torch
 
 from ..backends import get_backend
+from ..backends.inductor import generating_kernels_for
 from ..executable_cache import ExecutableCache
 from ..graph_format import deserialize_graph
 
@@ -40,7 +42,8 @@ def main(job_directory: str) -> int:
                            weights_only=True)
     cache = ExecutableCache(job["cache_directory"], job["model_name"])
     backend = get_backend("inductor")
-    with backend.storage(cache.backend_directory):
+    with backend.storage(cache.backend_directory), \
+            generating_kernels_for(job["kernel_threads"]):
         for step in job["steps"]:
             _compile_step(backend, cache, step, constants[step["name"]])
     return 0
