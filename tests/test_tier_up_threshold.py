@@ -118,9 +118,14 @@ def test_a_model_probes_its_calls_and_trains_like_the_graph_backend(
     monkeypatch.setattr(threshold, "PROBE_SECONDS", 0.0)
     monkeypatch.setattr(threshold, "MINIMUM_SECONDS", 3600.0)
     threads = torch.get_num_threads()
-    if threads < 2:
-        torch.set_num_threads(2)
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    torch.set_num_threads(max(threads, 2))
+    try:
+        _probe_a_model(monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe_a_model(monkeypatch):
     seen = []
     original = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads",
@@ -144,7 +149,6 @@ def test_a_model_probes_its_calls_and_trains_like_the_graph_backend(
     assert rule.seconds == 3600.0
     assert len(seen) == 6                         # three calls on one fewer
     torch.testing.assert_close(nets[0].weight, nets[1].weight)
-    torch.set_num_threads(threads)
 
 
 class _WithLoss(torch.nn.Module):

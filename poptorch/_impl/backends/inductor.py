@@ -31,9 +31,9 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from ...errors import Error
+from ..intra_op_threads import own_threads
 from ..logger import logger
 from .backend import Backend, CompiledStep, register
-from ..intra_op_threads import own_threads
 from .in_place import Donation
 from .vector_isa import remembered_check
 

@@ -43,7 +43,9 @@ _STARTS = ("all_reduce_start_", "reduce_scatter_start_")
 
 
 def is_start(node: torch.fx.Node) -> bool:
-    """Whether a captured graph's ``node`` starts a collective."""
+    """Whether a captured graph's ``node`` starts a gradient collective
+    (an all-reduce or a reduce-scatter; the weights' all-gathers are
+    placed by ``weight_sharding.py``)."""
     return any(node.target is getattr(torch.ops.poptorch, name).default
                for name in _STARTS)
 

@@ -5,8 +5,8 @@ Inductor in the background.
 The background compilation costs the training loop what the loop loses
 with one intra-op thread fewer: the process lends that thread to the
 worker (``tier_up.py``). How much that is depends on the model: on two
-cores a small MLP or transformer runs as fast on one thread as on two,
-while a convolutional network loses about a quarter of its speed. So the
+cores the benchmark's MLP runs as fast on one thread as on two, while its
+transformer and CNN lose a quarter to a third of their speed. So the
 model measures it on its own calls: from its second call on, calls
 alternate between all threads and one fewer until each side has
 ``PROBE_CALLS`` calls and the probe has lasted ``PROBE_SECONDS``. With
@@ -30,7 +30,6 @@ import math
 import os
 import statistics
 from typing import List, Optional
-
 
 from ...errors import Error
 from ..intra_op_threads import give_back_one, lend_one, own_threads
