@@ -247,12 +247,12 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
 
 
 class LAMB(Optimizer, torch.optim.Optimizer):
-    """Layer-wise Adaptive Moments (LAMB), biased version by default.
+    """Layer-wise Adaptive Moments (LAMB).
 
     From "Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes" (You et al. 2019). Per parameter tensor ``w``, with Adam's
-    moments ``m`` and ``v`` (bias-corrected only when
-    ``bias_correction=True``), the update ``u = m / (sqrt(v) + eps) +
+    moments ``m`` and ``v`` (bias-corrected unless
+    ``bias_correction=False``), the update ``u = m / (sqrt(v) + eps) +
     weight_decay * w`` is applied as ``w -= lr * phi(||w||) / ||u|| * u``,
     with ``phi(z) = min(z, max_weight_norm)`` (``max_weight_norm=None``: no
     clamping) and a ratio of 1 when ``phi(||w||)`` or ``||u||`` is 0: so
@@ -261,12 +261,19 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     recipes put the biases in such a group).
 
     Defaults: ``lr=1e-3``, ``betas=(0.9, 0.999)``, ``eps=1e-8``,
-    ``weight_decay=1e-2``, ``bias_correction=False``, ``loss_scaling=1.0``,
-    ``max_weight_norm=None``, accumulation types ``torch.float32``.
+    ``weight_decay=1e-2``, ``bias_correction=True``, ``loss_scaling=1.0``,
+    ``max_weight_norm=None``, accumulation types ``torch.float32``. The
+    spec leaves ``bias_correction``'s default open; True is Graphcore's
+    PopTorch default and the paper's algorithm, and the form Optimum
+    Graphcore calls plain LAMB (``--lamb``, against
+    ``--lamb_no_bias_correction``). Without the correction, parameters with
+    the layer-wise adaptation off (``max_weight_norm=0``) take first steps
+    up to several times larger, and weight decay weighs differently in the
+    others' updates.
     """
 
     extra_defaults = {
-        "bias_correction": False,
+        "bias_correction": True,
         "loss_scaling": 1.0,
         "max_weight_norm": None,
         "accum_type": torch.float32,

@@ -122,7 +122,7 @@ def test_lamb_documented_defaults():
     group = optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == \
         (1e-3, (0.9, 0.999), 1e-8, 1e-2)
-    assert optimizer.bias_correction is False
+    assert optimizer.bias_correction is True
     assert optimizer.max_weight_norm is None and optimizer.loss_scaling == 1.0
 
 
@@ -483,8 +483,8 @@ def lamb_reference(params, grad_sequence, lr, betas, eps, weight_decay,
 
 
 LAMB_CASES = {
-    "biased_default": dict(),
-    "bias_correction": dict(bias_correction=True),
+    "default_bias_corrected": dict(),
+    "no_bias_correction": dict(bias_correction=False),
     "clamped_weight_norm": dict(max_weight_norm=1.5, weight_decay=0.1),
     "no_weight_decay": dict(weight_decay=0.0, betas=(0.8, 0.99)),
     # Optimum Graphcore's group for biases: no layer-wise adaptation.
