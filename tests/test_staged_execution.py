@@ -74,6 +74,14 @@ STRATEGIES = {
     "parallel-phased": lambda: poptorch.ParallelPhasedExecution(
         ["A"], ["B"], ["C"], ["D"]),
 }
+
+
+def partitions(strategy) -> int:
+    """The partitions the four blocks run as: one per stage, or per phase
+    (the serial strategy's two phases hold two stages each)."""
+    return 2 if isinstance(strategy, poptorch.SerialPhasedExecution) else 4
+
+
 # The pipeline schedule and the stage-after-stage schedule.
 TWO_SCHEDULES = {name: STRATEGIES[name]
                  for name in ("pipelined-same-as-ipu", "sharded")}
@@ -154,7 +162,7 @@ def test_training_with_momentum_matches_plain_pytorch(make_strategy):
     reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     train_both(model, twin, reference)
     staged = compiled_model(model).engine.execution
-    assert len(staged.modules) == 4
+    assert len(staged.modules) == partitions(strategy)
     expected = (PipelineSchedule
                 if isinstance(strategy, poptorch.PipelinedExecution)
                 else SequentialSchedule)
@@ -218,8 +226,9 @@ def test_inference_equals_the_plain_model(make_strategy):
     net, twin = four_blocks_pair()
     net.eval()
     twin.eval()
+    strategy = make_strategy()
     model = poptorch.inferenceModel(
-        net, options(4, setExecutionStrategy=make_strategy()))
+        net, options(4, setExecutionStrategy=strategy))
     for seed in range(2):
         x, _ = make_data(4 * BATCH, seed=seed)
         out = model(x)
@@ -228,7 +237,7 @@ def test_inference_equals_the_plain_model(make_strategy):
         assert out.shape == (4 * BATCH, 3)
         close(out, expected)
     staged = compiled_model(model).engine.execution
-    assert len(staged.modules) == 4
+    assert len(staged.modules) == partitions(strategy)
     assert isinstance(staged.schedule, SequentialSchedule)
     model.copyWeightsToHost()
     assert_same_weights(net, twin)
@@ -650,6 +659,54 @@ def test_anchored_tensor_of_an_inner_stage_in_training(make_strategy):
         anchored = model.getAnchoredTensor("hidden")
         assert anchored.shape == (ROWS, 8)
         close(anchored, torch.cat(recorded))
+
+
+def test_stages_of_one_phase_exchange_values_both_ways():
+    """The guide's phased example: the stages of a phase run in parallel,
+    each using the other's values (IPU 0 -> 1 -> 0 within phase 0)."""
+    class Swapping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a1 = torch.nn.Linear(4, 4)
+            self.b1 = torch.nn.Linear(4, 4)
+            self.a2 = torch.nn.Linear(4, 4)
+            self.c = torch.nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            with poptorch.Block("p0_ipu0"):
+                h = self.a1(x)
+            with poptorch.Block("p0_ipu1"):
+                h = self.b1(h)
+            with poptorch.Block("p0_ipu0"):
+                h = self.a2(h)
+            with poptorch.Block("p1_ipu0"):
+                h = self.c(h)
+            return h, torch.nn.functional.mse_loss(h, y)
+
+    torch.manual_seed(0)
+    net = Swapping()
+    twin = copy.deepcopy(net)
+    strategy = poptorch.SerialPhasedExecution(
+        poptorch.Phase(poptorch.Stage("p0_ipu0"), poptorch.Stage("p0_ipu1")),
+        poptorch.Phase(poptorch.Stage("p1_ipu0")))
+    strategy.phase(0).ipus(0, 1)
+    strategy.phase(1).ipus(0)
+    model = poptorch.trainingModel(
+        net, options(setExecutionStrategy=strategy),
+        torch.optim.SGD(net.parameters(), lr=0.1))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(2, 4, generator=generator), \
+            torch.randn(2, 4, generator=generator)
+        _, loss = model(x, y)
+        reference.zero_grad()
+        expected = twin(x, y)[1]
+        expected.backward()
+        reference.step()
+        close(loss, expected.detach())
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
 
 
 # --- liveness on the CPU -----------------------------------------------------

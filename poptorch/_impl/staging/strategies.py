@@ -18,7 +18,10 @@ the rules of the guide ("Multi-IPU execution strategies"):
 * serial phases all run on one group of IPUs (stage ``j`` of a phase on IPU
   ``j`` by default); parallel phases alternate between two groups, even
   phases on even IPUs and odd phases on odd IPUs (stage ``j`` of phase ``i``
-  on IPU ``2 * j + i % 2`` by default).
+  on IPU ``2 * j + i % 2`` by default). The stages of one phase run in
+  parallel and may exchange values in both directions, so a phase runs
+  as one partition here: its placements share the phase's number as their
+  stage id.
 """
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
@@ -412,7 +415,6 @@ class _PhasedExecution(ExecutionStrategy):
         _check_stages_cover(self, self._all_stages(), records)
         by_id = {record.user_id: record for record in records}
         placements: Dict[str, BlockPlacement] = {}
-        stage_id = 0
         for phase_id, phase in enumerate(self._phases):
             for index, stage in enumerate(phase.stages):
                 ipu = _agreed_ipu(self, stage, by_id)
@@ -421,9 +423,8 @@ class _PhasedExecution(ExecutionStrategy):
                 self._check_phase_ipu(phase_id, ipu)
                 for block_id in stage.blocks:
                     placements[block_id] = BlockPlacement(
-                        stage_id, ipu, phase_id,
+                        phase_id, ipu, phase_id,
                         self._backward_phase(phase_id))
-                stage_id += 1
         return placements
 
     def __repr__(self) -> str:
