@@ -65,7 +65,7 @@ def test_constants_are_captured_on_the_capture_device():
     weights = torch.ones(3, requires_grad=True)
 
     def forward(x):
-        with tracing_context.ConstantsOnDevice():
+        with tracing_context.GraphConstants():
             return x * OFFSET + weights
 
     with tracing_context.capture_device(torch.device("meta")):
@@ -74,6 +74,69 @@ def test_constants_are_captured_on_the_capture_device():
                  if node.op == "get_attr"]
     assert [(c.device.type, c.requires_grad) for c in constants] == [
         ("meta", False), ("meta", False)]
+
+
+class _Counter(torch.nn.Module):
+    """The guide's "wrong way to have a persistent tensor": a plain tensor
+    attribute incremented in place by ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.i = torch.tensor([0.0])
+
+    def forward(self):
+        self.i += 1
+        return self.i
+
+
+def test_a_plain_tensor_attribute_written_in_place_is_frozen():
+    """As PopTorch freezes the value captured, every call starts from it
+    (1 on every call, not 1, 2, 3), and neither the capture nor the calls
+    change the user's tensor."""
+    module = _Counter()
+    tensor = module.i
+    model = poptorch.inferenceModel(module)
+    returned = [model().clone() for _ in range(3)]
+    assert [value.item() for value in returned] == [1.0, 1.0, 1.0]
+    assert module.i is tensor and tensor.item() == 0.0
+
+
+class _ScaledByCounter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 1)
+        self.calls = torch.zeros(())
+
+    def forward(self, x, y):
+        self.calls.add_(1)
+        out = self.fc(x) * self.calls
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def test_training_reads_the_frozen_value_of_a_written_attribute():
+    """Every step of every call computes with the captured value plus one,
+    as plain PyTorch does with that value fixed."""
+    torch.manual_seed(0)
+    module = _ScaledByCounter()
+    reference = torch.nn.Linear(3, 1)
+    reference.load_state_dict(module.fc.state_dict())
+    model = poptorch.trainingModel(module, options(2), torch.optim.SGD(
+        module.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(4, 3, generator=generator)
+        y = torch.randn(4, 1, generator=generator)
+        model(x, y)
+        for rows in (slice(0, 2), slice(2, 4)):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(reference(x[rows]),
+                                         y[rows]).backward()
+            optimizer.step()
+    model.copyWeightsToHost()
+    torch.testing.assert_close(module.fc.weight, reference.weight)
+    torch.testing.assert_close(module.fc.bias, reference.bias)
+    assert module.calls.item() == 0.0
 
 
 class _Fields(torch.nn.Module):

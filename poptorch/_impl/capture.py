@@ -105,13 +105,41 @@ def trace(fn: Callable, example_inputs: Sequence[torch.Tensor],
     fake_inputs = [fake_mode.from_tensor(t) for t in example_inputs]
     # Active around make_fx, the mode is the trace's even without inputs.
     with profile_range("capture"), tracing_context.fake_tracing(), \
-            fake_mode:
+            tracing_context.written_constants() as written, fake_mode:
         graph_module = make_fx(fn, tracing_mode="fake")(*fake_inputs)
+    _start_from_captured_values(graph_module, written)
     if not keep_detaches:
         _remove_detaches(graph_module.graph)
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
     return graph_module
+
+
+def _start_from_captured_values(graph_module: torch.fx.GraphModule,
+                                written: Dict[int, torch.Tensor]) -> None:
+    """Constants the graph writes (``written``: copies of the user's
+    tensors, see ``tracing_context.GraphConstants``) hold the user's value
+    again, and each call writes a clone of it made where the graph first
+    reads the constant: every call starts from the value captured."""
+    clones: Dict[str, torch.fx.Node] = {}
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        if node.target in clones:
+            node.replace_all_uses_with(clones[node.target])
+            graph.erase_node(node)
+            continue
+        value = getattr(graph_module, node.target, None)
+        if not isinstance(value, torch.Tensor) or id(value) not in written:
+            continue
+        setattr(graph_module, node.target,
+                written[id(value)].detach().to(value.device, copy=True))
+        with graph.inserting_after(node):
+            clone = graph.call_function(torch.ops.aten.clone.default, (node,))
+        node.replace_all_uses_with(clone,
+                                   delete_user_cb=lambda user: user is not clone)
+        clones[node.target] = clone
 
 
 def _remove_detaches(graph: torch.fx.Graph) -> None:
@@ -177,7 +205,7 @@ class ModelCall:
         the device, half/float casting, cumulative BatchNorm averages,
         recurrent layers without oneDNN and automatic casting."""
         modes = contextlib.ExitStack()
-        modes.enter_context(tracing_context.ConstantsOnDevice())
+        modes.enter_context(tracing_context.GraphConstants())
         modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
         modes.enter_context(CumulativeAverage())
         modes.enter_context(RecurrentLayersWithoutOneDnn())

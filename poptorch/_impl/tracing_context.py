@@ -6,9 +6,13 @@
   (``compile_errors.py``), so that log is filtered out.
 * Real tensors that ``forward`` reads besides its inputs, parameters and
   buffers (closure tensors, plain tensor attributes of modules) are
-  constants of the graph. ``ConstantsOnDevice`` puts them on the device the
+  constants of the graph. ``GraphConstants`` puts them on the device the
   model is captured for (``capture_device``), as PopTorch keeps every
-  tensor of a model on the IPU; on a CPU device they are there already.
+  tensor of a model on the IPU (on a CPU device they are there already),
+  and gives an operation that writes one a copy to write instead, so that
+  neither the capture nor the graph changes the user's tensor: the graph
+  starts every call from the value captured (``written_constants``), as
+  PopTorch freezes such a tensor.
 * ``torch.distributions`` checks its parameters and samples by default with
   Python conditions on tensor values (``if not valid.all(): raise``), which
   a graph of tensors without values cannot hold. Its default validation is
@@ -75,13 +79,35 @@ def capture_device(device: torch.device) -> Iterator[None]:
 
 
 _META = torch.device("meta")
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv",
+                                "mod", "pow", "matmul", "and", "or", "xor",
+                                "lshift", "rshift")) | {"__setitem__"}
+
+#: The copies written during the capture in progress: id(copy) -> the
+#: user's tensor, whose value the copy had before.
+_written: contextvars.ContextVar = contextvars.ContextVar(
+    "poptorch_written_constants", default=None)
 
 
-class ConstantsOnDevice(TorchFunctionMode):
-    """Each real tensor an operation reads that is not on the capture's
-    device is read as a copy on it, made once per capture (detached: a
-    constant receives no gradient). Fake tensors, and the meta tensors
-    they compute with, stay as they are."""
+@contextlib.contextmanager
+def written_constants() -> Iterator[Dict[int, torch.Tensor]]:
+    """In the block, collect the constants an operation wrote: {id of the
+    copy written: the user's tensor, unchanged}."""
+    found: Dict[int, torch.Tensor] = {}
+    token = _written.set(found)
+    try:
+        yield found
+    finally:
+        _written.reset(token)
+
+
+class GraphConstants(TorchFunctionMode):
+    """Each real tensor an operation reads is read as a copy, made once per
+    capture (detached: a constant receives no gradient), when it is not on
+    the capture's device or once an operation writes it; the user's tensor
+    is never written. Fake tensors, and the meta tensors they compute with,
+    stay as they are."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,21 +116,53 @@ class ConstantsOnDevice(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._device is not None:
-            args, kwargs = pytree.tree_map_only(
-                torch.Tensor, self._on_device, (args, kwargs))
+        target = _written_tensor(func, args, kwargs)
+        if target is not None and _is_real(target):
+            self._copy(target, target.device if self._device is None
+                       else self._device, written=True)
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, self._read, (args, kwargs))
         return func(*args, **kwargs)
 
-    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device in (self._device, _META) or is_fake(tensor):
+    def _read(self, tensor: torch.Tensor) -> torch.Tensor:
+        copied = self._copies.get(id(tensor))
+        if copied is not None and copied[0] is tensor:
+            return copied[1]
+        if self._device is None or tensor.device == self._device or \
+                not _is_real(tensor):
             return tensor
-        key = id(tensor)
-        if key not in self._copies:
+        return self._copy(tensor, self._device, written=False)
+
+    def _copy(self, tensor: torch.Tensor, device: torch.device,
+              written: bool) -> torch.Tensor:
+        copied = self._copies.get(id(tensor))
+        if copied is None or copied[0] is not tensor:
             with _disable_current_modes(), torch._C.DisableTorchFunction():
                 # The original is kept so that its id is not reused.
-                self._copies[key] = (tensor,
-                                     tensor.detach().to(self._device))
-        return self._copies[key][1]
+                copied = (tensor, tensor.detach().to(device, copy=True))
+            self._copies[id(tensor)] = copied
+        registry = _written.get()
+        if written and registry is not None:
+            registry[id(copied[1])] = tensor
+        return copied[1]
+
+
+def _is_real(tensor: torch.Tensor) -> bool:
+    return tensor.device != _META and not is_fake(tensor)
+
+
+def _written_tensor(func, args, kwargs) -> Optional[torch.Tensor]:
+    """The tensor an in-place operation (``add_``, ``+=``, ``x[i] = v``,
+    ``out=``) writes, else None."""
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return out
+    name = getattr(func, "__name__", "")
+    in_place = name in _IN_PLACE_OPERATORS or (
+        name.endswith("_") and not name.endswith("__"))
+    if in_place and args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return None
 
 
 class _MetaFailureFilter(logging.Filter):
