@@ -1,9 +1,11 @@
 """Inference models: same numbers as the module, buffers, inputs, kwargs,
 zero-d arguments and isRunningOnIpu."""
+import copy
+
 import torch
 
 import poptorch
-from conftest import make_data, options
+from conftest import BatchNormNet, make_data, make_images, options
 
 
 def test_inference_matches_module_with_kwargs(mlp):
@@ -121,3 +123,25 @@ def test_plain_tensor_attribute_becomes_a_graph_constant():
     x = torch.randn(4, 3)
     torch.testing.assert_close(poptorch.inferenceModel(module, options(2))(x),
                                module(x))
+
+
+def test_validation_model_created_from_a_training_model():
+    """The guide's precompilation chapter: ``inferenceModel(training_model)``
+    then ``validation_model.model.eval()`` validates the trained weights in
+    evaluation mode (BatchNorm's running statistics, left unchanged)."""
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    training_model = poptorch.trainingModel(net, options())
+    x, y = make_images(4)
+    training_model(x, y)
+    validation_model = poptorch.inferenceModel(training_model)
+    validation_model.model.eval()
+    out, _ = validation_model(x, y)
+    reference = copy.deepcopy(net).eval()
+    torch.testing.assert_close(out, reference(x, y)[0])
+    torch.testing.assert_close(net.bn.running_mean, reference.bn.running_mean)
+    net.train()
+    training_model(x, y)
+    net.eval()
+    torch.testing.assert_close(validation_model(x, y)[0],
+                               copy.deepcopy(net)(x, y)[0])

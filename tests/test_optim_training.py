@@ -487,6 +487,37 @@ def test_destroy_keeps_the_optimizer_state_for_the_next_compilation():
         assert torch.equal(a, b)
 
 
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, y):
+        return self.inner(x, y)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.Adam(params, lr=0.01),
+    lambda params: P.SGD(params, lr=0.05, momentum=0.9)],
+    ids=["torch-adam", "poptorch-sgd"])
+def test_a_new_training_model_goes_on_from_its_optimizer_state(
+        make_optimizer):
+    """A program wrapping a new training model around the same optimizer
+    every epoch (a GAN's loss modules made anew) trains as one model: the
+    new model starts from the state the previous one left."""
+    uninterrupted = fresh_mlp()
+    run_calls(poptorch.trainingModel(uninterrupted, options(2), make_optimizer(
+        uninterrupted.parameters())), 0, 3, rows=4)
+    rewrapped = fresh_mlp()
+    optimizer = make_optimizer(rewrapped.parameters())
+    for epoch in range(3):
+        model = poptorch.trainingModel(_Wrapper(rewrapped), options(2),
+                                       optimizer)
+        run_calls(model, epoch, 1, rows=4)
+    for a, b in zip(uninterrupted.parameters(), rewrapped.parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.fixture
 def trained_adam():
     module = fresh_mlp()

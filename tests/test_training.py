@@ -161,6 +161,22 @@ def test_parameters_without_grad_are_not_updated(mlp, twin):
     assert not mlp.fc1.weight.requires_grad
 
 
+def test_parameters_frozen_between_wrapping_and_first_call_stay_frozen(
+        mlp, twin):
+    """The model compiles on its first call and reads requires_grad then,
+    as PopTorch (a GAN freezing its discriminator after wrapping)."""
+    model = poptorch.trainingModel(mlp, options(), torch.optim.Adam(
+        mlp.parameters(), lr=0.1))
+    mlp.fc1.requires_grad_(False)
+    twin.fc1.requires_grad_(False)
+    reference = torch.optim.Adam(twin.parameters(), lr=0.1)
+    for call in range(2):
+        x, y = make_data(4, seed=call)
+        model(x, y)
+        reference_training(twin, reference, (x, y))
+    assert_same_weights(mlp, twin)
+
+
 def test_dropout_is_random_per_call_and_reproducible_with_seed():
     class DropoutNet(torch.nn.Module):
         def __init__(self):

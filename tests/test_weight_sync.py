@@ -220,6 +220,20 @@ def test_second_training_model_is_an_error_until_destroy(mlp):
     poptorch.trainingModel(mlp, options())(*make_data(2))
 
 
+def test_a_refused_second_training_model_leaves_the_optimizer_linked(mlp):
+    """The refusal changes nothing: the optimizer's state_dict() still
+    reads the first model's trained state (a checkpoint keeps Adam's
+    moments)."""
+    optimizer = torch.optim.Adam(mlp.parameters(), lr=0.01)
+    first = poptorch.trainingModel(mlp, options(), optimizer)
+    with pytest.raises(poptorch.Error, match="already wrapped in a training"):
+        poptorch.trainingModel(mlp, options(), optimizer)
+    first(*make_data(2))
+    state = optimizer.state_dict()["state"]
+    assert sorted(state) == list(range(len(list(mlp.parameters()))))
+    assert all(float(s["step"]) == 1.0 for s in state.values())
+
+
 def test_destroy_keeps_trained_weights_and_recompiles(mlp, twin):
     x, y = make_data(2)
     model = poptorch.trainingModel(mlp, options(), torch.optim.SGD(

@@ -44,7 +44,8 @@ class PoplarExecutor(CompiledExecutionMethods):
     def __init__(self, model: torch.nn.Module, options, training: bool,
                  poptorch_version: str,
                  optimizer: Optional[torch.optim.Optimizer] = None,
-                 user_model: Optional[torch.nn.Module] = None) -> None:
+                 user_model: Optional[torch.nn.Module] = None,
+                 modes_at_first_call: bool = False) -> None:
         module = user_model if user_model is not None else model
         if not isinstance(module, torch.nn.Module):
             raise Error(f"The model must be a torch.nn.Module, got "
@@ -58,18 +59,20 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._module = module
         self._training = training
         self._poptorch_version = poptorch_version
-        self._training_flags = {name: m.training
-                                for name, m in module.named_modules()}
+        self._training_flags: Optional[Dict[str, bool]] = (
+            None if modes_at_first_call else _training_flags(module))
         self._optimizer = optimizer
         self._plan: Optional[OptimizerPlan] = (
             plan_optimizer(optimizer, _host_params(module))
             if training else None)
+        self._sync = weight_sync.attach(module)
+        # Refuses a module another training model trains: before the
+        # optimizer is linked, so that the refusal leaves it to that model.
+        self._sync.register(self, training, type(module).__name__)
+        self._registered = True
         self._link = optimizer_state.ModelLink(self)
         if training:
             optimizer_state.link(optimizer, self._link)
-        self._sync = weight_sync.attach(module)
-        self._sync.register(self, training, type(module).__name__)
-        self._registered = True
         self._reset_compiled_state()
         self._destroyed = False
 
@@ -148,6 +151,9 @@ class PoplarExecutor(CompiledExecutionMethods):
                                 precompiled_source) as session, \
                 torch.inference_mode(False):
             self._prepare_host_weights()
+            self._plan_trainable_parameters()
+            if self._training_flags is None:
+                self._training_flags = _training_flags(self._module)
             compiled = CompiledModel.build(self._spec(), call, session)
             self._use_compiled(compiled)
         self._profile.compiled(compiled)
@@ -165,6 +171,15 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._destroyed = False
         if self._options.connection_type == ConnectionType.Always:
             self._attached = True
+
+    def _plan_trainable_parameters(self) -> None:
+        """Read the optimizer again as the compilation starts: which
+        parameters it trains follows their ``requires_grad`` now, as
+        PopTorch, which compiles on the first call, reads it then (a layer
+        frozen between wrapping and the first call stays frozen)."""
+        if self._training:
+            self._plan = plan_optimizer(self._optimizer,
+                                        _host_params(self._module))
 
     def _prepare_host_weights(self) -> None:
         """Before a compilation reads the module's weights: register with
@@ -434,6 +449,12 @@ def _check_mode_options(options, training: bool) -> None:
             f"{options.Training.gradient_accumulation} but an inference model "
             "requires gradientAccumulation(1): gradient accumulation only "
             "applies to training models")
+
+
+def _training_flags(module: torch.nn.Module) -> Dict[str, bool]:
+    """The ``training`` flag of ``module`` and each of its sub-modules: the
+    modes a model runs in whatever the module's flags become later."""
+    return {name: m.training for name, m in module.named_modules()}
 
 
 def _rebuild_executor(module, options, training, optimizer):

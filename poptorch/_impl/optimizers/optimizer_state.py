@@ -371,7 +371,15 @@ def link(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
     """Make ``optimizer``'s state dict read and write the linked model's
     state: through ``save_state_dict`` / ``load_state_dict`` for
     poptorch.optim optimizers, through torch's state dict hooks for
-    torch.optim ones."""
+    torch.optim ones. The state of a compiled model the optimizer was
+    linked to stays on the optimizer for the new model's compilation, as
+    ``destroy()`` keeps it: a program that wraps a new training model around
+    the same optimizer every epoch goes on from the trained state, as the
+    optimizer of plain PyTorch does."""
+    previous = _linked(optimizer)
+    if previous is not None and previous is not model_link and \
+            previous.device_state is not None:
+        previous.device_state.keep_on_optimizer(optimizer)
     optimizer.__dict__[_MODEL] = weakref.ref(model_link)
     if (type(optimizer).state_dict is torch.optim.Optimizer.state_dict
             and not optimizer.__dict__.get(_HOOKED)):

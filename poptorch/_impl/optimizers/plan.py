@@ -309,8 +309,14 @@ def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
         return
     raise Error(f"setOptimizer: {detail} changed after the model was "
                 "compiled. Only variable attributes (such as lr) can change "
-                "after compilation; call destroy() and compile again to "
-                "change the others.")
+                "after compilation: for a poptorch.optim optimizer, those "
+                "given to its constructor or marked with "
+                "variable_attrs.markAsVariable(); for a torch.optim "
+                "optimizer, those given a value other than their default (a "
+                "scheduler such as OneCycleLR, which cycles betas or "
+                "momentum, needs the poptorch.optim optimizer of the same "
+                "name). Call destroy() and compile again to change the "
+                "others.")
 
 
 def report_unexpected_attributes(optimizer: torch.optim.Optimizer,
