@@ -125,9 +125,9 @@ def parser() -> argparse.ArgumentParser:
 
 def _yes_no(text: str) -> bool:
     value = text.lower()
-    if value in ("yes", "true", "1", "on"):
+    if value in poprun_options.YES_WORDS:
         return True
-    if value in ("no", "false", "0", "off"):
+    if value in poprun_options.NO_WORDS:
         return False
     raise argparse.ArgumentTypeError(f"must be yes or no, got {text!r}")
 
@@ -144,10 +144,8 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
                    if action.nargs is None and action.option_strings
                    for option in action.option_strings
                    if option not in _SWITCHES]
-    options, program, ignored = poprun_options.split_ignored(argv,
-                                                             takes_value)
-    options = [f"{word}=yes" if word in _SWITCHES else word
-               for word in options]
+    options, program, ignored = poprun_options.split_ignored(
+        argv, takes_value, _SWITCHES)
     return command.parse_args(options + program), ignored
 
 

@@ -144,6 +144,24 @@ def test_popruns_command_lines_parse_with_options_without_effect():
     assert arguments.executable_cache_path == "/tmp/cache"
 
 
+@pytest.mark.parametrize("words, shown", [
+    (["--print-topology", "yes"], True), (["--print-topology", "no"], False),
+    (["--print-topology", "Off"], False), (["--print-topology=no"], False),
+    (["--print-topology"], True)])
+def test_yes_no_options_take_a_yes_no_word_after_them(words, shown):
+    """``--print-topology yes`` is the option's value, not the program (which
+    was Unix ``yes``, printing forever in every instance); partition
+    switches without effect take such a word too."""
+    arguments, ignored = parse_poprun([
+        "--num-instances", "2", "--num-replicas", "2", *words,
+        "--reset-partition", "no", "--numa-aware", "yes", "--update-partition",
+        "python", "train.py"])
+    assert arguments.print_topology is shown
+    assert arguments.program == ["python", "train.py"]
+    assert ignored == ["--reset-partition", "--numa-aware",
+                       "--update-partition"]
+
+
 def test_topology_lists_each_instances_replicas_or_stages():
     arguments, _ = parse_poprun(["--num-instances", "4", "--num-replicas",
                                  "8", "--num-hosts", "2", "x.py"])

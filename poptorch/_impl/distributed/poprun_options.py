@@ -5,8 +5,9 @@ Options about IPU-POD partitions (V-IPU), MPI and NUMA placement have no
 equivalent here: they are taken off the command line before it is parsed
 and each is reported once as having no effect. Options that take a value
 accept ``--name value`` and ``--name=value``; yes/no options accept
-``--name`` and ``--name=value`` and never take the next word (it may be the
-program). Scanning stops at the program: the first word that is neither an
+``--name``, ``--name=value`` and ``--name value`` where the value is one of
+``YES_NO_WORDS`` (any other next word may be the program, so it is not
+taken). Scanning stops at the program: the first word that is neither an
 option nor an option's value.
 
 Options with an effect here are parsed with the others (``run.py``):
@@ -14,6 +15,11 @@ Options with an effect here are parsed with the others (``run.py``):
 ``--print-topology`` and ``-v`` / ``--verbose``.
 """
 from typing import Iterable, List, Tuple
+
+#: The values of yes/no options: true, then false.
+YES_WORDS = ("yes", "true", "on", "1")
+NO_WORDS = ("no", "false", "off", "0")
+YES_NO_WORDS = YES_WORDS + NO_WORDS
 
 #: PopRun options without effect here: name -> whether it takes a value.
 WITHOUT_EFFECT = {
@@ -34,31 +40,40 @@ WITHOUT_EFFECT = {
 }
 
 
-def split_ignored(argv: Iterable[str], takes_value: Iterable[str]
+def split_ignored(argv: Iterable[str], takes_value: Iterable[str],
+                  switches: Iterable[str]
                   ) -> Tuple[List[str], List[str], List[str]]:
     """(poprun's options, the program and its arguments, the names of the
-    options of ``WITHOUT_EFFECT`` found and taken off). ``takes_value``:
-    poprun's own options that take a value, needed to find where the
-    program starts."""
-    own_values = set(takes_value)
+    options of ``WITHOUT_EFFECT`` found and taken off). ``takes_value`` and
+    ``switches``: poprun's own options that take a value and its yes/no
+    options, needed to find where the program starts. A yes/no option is
+    returned as ``--name=value`` (``--name=yes`` when given alone)."""
+    own_values, own_switches = set(takes_value), set(switches)
     options: List[str] = []
     ignored: List[str] = []
-    words = list(argv)
+    words = list(argv) + [""]
     index = 0
-    while index < len(words):
-        word = words[index]
+    while index < len(words) - 1:
+        word, following = words[index], words[index + 1]
         name = word.split("=", 1)[0]
         if not word.startswith("-") or word == "--":
-            return options, words[index:], ignored
+            return options, words[index:-1], ignored
+        with_value = "=" in word
         if name in WITHOUT_EFFECT:
             ignored.append(name)
-            consumes = WITHOUT_EFFECT[name] and "=" not in word
-            index += 2 if consumes else 1
-            continue
-        options.append(word)
-        if name in own_values and "=" not in word and \
-                index + 1 < len(words):
-            options.append(words[index + 1])
-            index += 1
-        index += 1
+            consumes = not with_value and (
+                WITHOUT_EFFECT[name] or _is_yes_no(following))
+        elif name in own_switches:
+            consumes = not with_value and _is_yes_no(following)
+            options.append(word if with_value else
+                           f"{name}={following if consumes else 'yes'}")
+        else:
+            consumes = name in own_values and not with_value and \
+                index + 2 < len(words)
+            options += [word, following] if consumes else [word]
+        index += 2 if consumes else 1
     return options, [], ignored
+
+
+def _is_yes_no(word: str) -> bool:
+    return word.lower() in YES_NO_WORDS
