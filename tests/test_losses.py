@@ -62,6 +62,81 @@ def test_loss_feeding_another_loss_is_part_of_the_graph():
     assert_same_weights(net, twin)
 
 
+class ReturnedTotal(torch.nn.Module):
+    """Losses finished by further operations and returned without
+    identity_loss: a hand-written label smoothing, two torch losses added
+    together, and an L2 term on a parameter the loss functions never
+    see."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        self.kind = kind
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        if self.kind == "label-smoothing":
+            log_p = torch.log_softmax(out, -1)
+            nll = torch.nn.functional.nll_loss(log_p, y, reduction="none")
+            total = (0.9 * nll - 0.1 * log_p.mean(-1)).mean()
+        elif self.kind == "two-losses":
+            total = 0.3 * torch.nn.functional.cross_entropy(out, y) + \
+                0.7 * torch.nn.functional.mse_loss(out, torch.zeros_like(out))
+        else:
+            total = torch.nn.functional.cross_entropy(out, y) + \
+                0.1 * (self.scale ** 2).sum()
+        return out, total
+
+
+@pytest.mark.parametrize("kind", ["label-smoothing", "two-losses",
+                                  "regulariser"])
+def test_a_returned_total_of_the_losses_is_what_trains(kind):
+    """The backward pass starts from the returned scalar computed from the
+    final loss(es), as its backward() would in PyTorch; before, it started
+    from the loss function's output and left the rest out, silently (or
+    refused two added losses)."""
+    torch.manual_seed(0)
+    net, twin = ReturnedTotal(kind), ReturnedTotal(kind)
+    twin.load_state_dict(net.state_dict())
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for seed in range(2):
+        x, y = make_data(4, seed=seed)
+        _, total = model(x, y)
+        optimizer.zero_grad()
+        expected = twin(x, y)[1]
+        expected.backward()
+        optimizer.step()
+        torch.testing.assert_close(total, expected.detach())
+    assert_same_weights(net, twin)
+
+
+def test_a_returned_final_loss_starts_the_backward_pass_beside_others():
+    """With the final loss itself returned, a scaled copy of it returned
+    for reporting does not replace it."""
+    class Reported(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            loss = torch.nn.functional.cross_entropy(self.fc(x), y)
+            return loss, 100 * loss
+
+    torch.manual_seed(0)
+    net, twin = Reported(), Reported()
+    twin.load_state_dict(net.state_dict())
+    x, y = make_data(4)
+    poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))(x, y)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+    twin(x, y)[0].backward()
+    optimizer.step()
+    assert_same_weights(net, twin)
+
+
 def test_model_without_loss_is_an_error(mlp):
     model = poptorch.trainingModel(torch.nn.Linear(4, 2), options())
     with pytest.raises(poptorch.Error, match="no loss"):

@@ -248,6 +248,19 @@ class ModelAnalysis:
     final_loss: Optional[int]
     params_reaching_loss: List[int]
     blocks: List[blocks.BlockRecord]    # annotated blocks, in order met
+    #: The returned tensor the backward pass starts from, when it is one
+    #: computed from the final loss(es) (``_returned_total``).
+    loss_output: Optional[int] = None
+
+    def backward_start(self, recorded_losses: List[torch.Tensor],
+                       output_tensors: List[torch.Tensor]) -> torch.Tensor:
+        """The scalar the backward pass starts from: the returned total, or
+        the final recorded loss (summed when it is not a scalar)."""
+        if self.loss_output is not None:
+            value = output_tensors[self.loss_output]
+        else:
+            value = recorded_losses[self.final_loss]
+        return value if value.dim() == 0 else value.sum()
 
 
 def _placeholders(graph: torch.fx.Graph) -> List[torch.fx.Node]:
@@ -351,18 +364,45 @@ def _describe_node(node: torch.fx.Node) -> str:
     return frames[-1] if frames else node.name
 
 
-def _final_loss(loss_nodes: List[torch.fx.Node]) -> int:
-    """Index of the one recorded loss that feeds no other recorded loss."""
+def _final_losses(loss_nodes: List[torch.fx.Node]) -> List[torch.fx.Node]:
+    """The recorded losses that feed no other recorded loss."""
     if not loss_nodes:
         raise Error(losses.NO_LOSS_MESSAGE)
     distinct = set(loss_nodes)
-    finals = list(dict.fromkeys(
+    return list(dict.fromkeys(
         node for node in loss_nodes if not _descendants(node) & distinct))
+
+
+def _returned_total(returned: List[torch.fx.Node],
+                    finals: List[torch.fx.Node]) -> Optional[int]:
+    """The index of the one returned single-element tensor computed from
+    every final loss by further operations (``loss * 0.5 + reg``, a
+    hand-written label smoothing, ``ctc + ce``), when no final loss is
+    returned itself; else None. The backward pass starts from it, as
+    ``returned.backward()`` would in PyTorch."""
+    if any(node in finals for node in returned):
+        return None
+    totals = [index for index, node in enumerate(returned)
+              if node.meta["val"].numel() == 1
+              and set(finals) <= _ancestors(node)]
+    return totals[0] if len(totals) == 1 else None
+
+
+def _choose_backward_start(analysis: ModelAnalysis,
+                           returned: List[torch.fx.Node],
+                           loss_nodes: List[torch.fx.Node]) -> torch.fx.Node:
+    """Set where the backward pass starts (a returned total, else the one
+    final loss) and return its node."""
+    finals = _final_losses(loss_nodes)
+    analysis.loss_output = _returned_total(returned, finals)
+    if analysis.loss_output is not None:
+        return returned[analysis.loss_output]
     if len(finals) > 1:
         where = "; ".join(_describe_node(n) for n in finals)
         raise Error(losses.SEVERAL_LOSSES_MESSAGE.format(count=len(finals),
                                                          where=where))
-    return loss_nodes.index(finals[0])
+    analysis.final_loss = loss_nodes.index(finals[0])
+    return finals[0]
 
 
 def analyse(call: ModelCall, params: List[torch.Tensor],
@@ -396,9 +436,10 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         blocks=blocks.with_layers_before(block_records, graph.nodes))
     if training:
         outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
-        loss_nodes = outputs[len(outputs) - found["num_losses"]:]
-        analysis.final_loss = _final_loss(loss_nodes)
-        reaching = _ancestors(loss_nodes[analysis.final_loss])
+        split_at = len(outputs) - found["num_losses"]
+        start = _choose_backward_start(analysis, outputs[:split_at],
+                                       outputs[split_at:])
+        reaching = _ancestors(start)
         analysis.params_reaching_loss = [
             i for i, node in enumerate(_placeholders(graph)[:len(params)])
             if node in reaching]

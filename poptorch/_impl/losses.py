@@ -4,7 +4,9 @@ While a training model is captured, every call of a torch loss function (the
 ``torch.nn.functional`` losses, which the ``torch.nn`` loss modules call) and
 every ``poptorch.identity_loss`` is recorded in call order. The final loss is
 the recorded loss that no other recorded loss depends on; the capture finds it
-by graph reachability (see ``capture.py``).
+by graph reachability (see ``capture.py``), and starts the backward pass from
+it, or from the single-element tensor ``forward`` returns that is computed
+from the final losses by further operations (``capture._returned_total``).
 """
 from typing import List, Optional
 

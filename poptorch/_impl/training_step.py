@@ -267,9 +267,8 @@ def micro_batch_forward(call: ModelCall, analysis: ModelAnalysis,
     buffers = clone_written(buffers, analysis.written_buffers)
     with losses.LossRecorder() as recorder:
         output = call(params, buffers, inputs)
-    loss = recorder.losses[analysis.final_loss]
-    value = loss if loss.dim() == 0 else loss.sum()
-    return (value, tensor_outputs(output),
+    returned = tensor_outputs(output)
+    return (analysis.backward_start(recorder.losses, returned), returned,
             [buffers[i] for i in analysis.written_buffers])
 
 

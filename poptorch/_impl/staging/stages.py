@@ -81,12 +81,10 @@ def trace_forward(call: ModelCall, analysis: ModelAnalysis,
         b = clone_written(b, analysis.written_buffers)
         with losses.LossRecorder() as recorder:
             output = call(p, b, x)
-        loss = []
-        if training:
-            value = recorder.losses[analysis.final_loss]
-            loss = [value if value.dim() == 0 else value.sum()]
-        return ([b[i] for i in analysis.written_buffers] +
-                tensor_outputs(output) + loss)
+        returned = tensor_outputs(output)
+        loss = ([analysis.backward_start(recorder.losses, returned)]
+                if training else [])
+        return [b[i] for i in analysis.written_buffers] + returned + loss
 
     with capture_scope(call.module, training_flags):
         return trace_user_code(forward, list(params) + list(buffers) +
