@@ -383,7 +383,8 @@ def _returned_total(returned: List[torch.fx.Node],
     if any(node in finals for node in returned):
         return None
     totals = [index for index, node in enumerate(returned)
-              if node.meta["val"].numel() == 1
+              if isinstance(node.meta.get("val"), torch.Tensor)
+              and node.meta["val"].numel() == 1
               and set(finals) <= _ancestors(node)]
     return totals[0] if len(totals) == 1 else None
 
