@@ -155,8 +155,11 @@ def test_two_unrelated_losses_are_an_error():
                     torch.nn.functional.mse_loss(out, torch.zeros_like(out)))
 
     model = poptorch.trainingModel(TwoLosses(), options())
-    with pytest.raises(poptorch.Error, match="identity_loss"):
+    with pytest.raises(poptorch.Error, match="identity_loss") as error:
         model(*make_data(2))
+    # Each final loss is named by the user's line that computed it.
+    assert str(error.value).count("test_losses.py\", line") == 2
+    assert "mse_loss(out, torch.zeros_like(out))" in str(error.value)
 
 
 def test_backward_on_an_output_explains_it_is_automatic(mlp):

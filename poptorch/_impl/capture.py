@@ -354,16 +354,6 @@ def _ancestors(node: torch.fx.Node) -> set:
     return _reachable(node, lambda n: n.all_input_nodes)
 
 
-def _describe_node(node: torch.fx.Node) -> str:
-    """The user's source line that produced ``node`` when it is known."""
-    stack = node.meta.get("stack_trace")
-    if not stack:
-        return node.name
-    frames = [line.strip() for line in stack.strip().splitlines()
-              if line.strip().startswith("File ")]
-    return frames[-1] if frames else node.name
-
-
 def _final_losses(loss_nodes: List[torch.fx.Node]) -> List[torch.fx.Node]:
     """The recorded losses that feed no other recorded loss."""
     if not loss_nodes:
@@ -391,15 +381,17 @@ def _returned_total(returned: List[torch.fx.Node],
 
 def _choose_backward_start(analysis: ModelAnalysis,
                            returned: List[torch.fx.Node],
-                           loss_nodes: List[torch.fx.Node]) -> torch.fx.Node:
+                           loss_nodes: List[torch.fx.Node],
+                           places: List[str]) -> torch.fx.Node:
     """Set where the backward pass starts (a returned total, else the one
-    final loss) and return its node."""
+    final loss) and return its node. ``places``: the user's line of each
+    recorded loss."""
     finals = _final_losses(loss_nodes)
     analysis.loss_output = _returned_total(returned, finals)
     if analysis.loss_output is not None:
         return returned[analysis.loss_output]
     if len(finals) > 1:
-        where = "; ".join(_describe_node(n) for n in finals)
+        where = "; ".join(places[loss_nodes.index(n)] for n in finals)
         raise Error(losses.SEVERAL_LOSSES_MESSAGE.format(count=len(finals),
                                                          where=where))
     analysis.final_loss = loss_nodes.index(finals[0])
@@ -421,6 +413,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
             TENSOR_LEAF if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves]
         found["num_losses"] = len(recorder.losses)
+        found["places"] = recorder.places
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return tensors + recorder.losses
 
@@ -439,7 +432,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
         split_at = len(outputs) - found["num_losses"]
         start = _choose_backward_start(analysis, outputs[:split_at],
-                                       outputs[split_at:])
+                                       outputs[split_at:], found["places"])
         reaching = _ancestors(start)
         analysis.params_reaching_loss = [
             i for i, node in enumerate(_placeholders(graph)[:len(params)])

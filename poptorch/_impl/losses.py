@@ -8,6 +8,7 @@ by graph reachability (see ``capture.py``), and starts the backward pass from
 it, or from the single-element tensor ``forward`` returns that is computed
 from the final losses by further operations (``capture._returned_total``).
 """
+import traceback
 from typing import List, Optional
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import Error
+from .compile_errors import describe_frame, user_frame
 
 _EXTRA_LOSS_NAMES = ("cross_entropy", "binary_cross_entropy",
                      "binary_cross_entropy_with_logits", "kl_div")
@@ -29,11 +31,18 @@ _active_recorders: List["LossRecorder"] = []
 
 
 class LossRecorder(TorchFunctionMode):
-    """Records the results of loss functions called while it is active."""
+    """Records the results of loss functions called while it is active, and
+    the user's source line that called each."""
 
     def __init__(self) -> None:
         super().__init__()
         self.losses: List[torch.Tensor] = []
+        self.places: List[str] = []
+
+    def record(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss)
+        self.places.append(describe_frame(user_frame(
+            traceback.extract_stack())))
 
     def __enter__(self):
         _active_recorders.append(self)
@@ -46,7 +55,7 @@ class LossRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         if func in LOSS_FUNCTIONS and isinstance(result, torch.Tensor):
-            self.losses.append(result)
+            self.record(result)
         return result
 
 
@@ -76,7 +85,7 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
         loss = x
     recorder = _active_recorder()
     if recorder is not None:
-        recorder.losses.append(loss)
+        recorder.record(loss)
     return loss
 
 
