@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import poptorch
-from conftest import assert_same_weights, make_data, options
+from conftest import (assert_same_weights, make_data, options,
+                      reference_training)
 
 
 class CustomLoss(torch.nn.Module):
@@ -105,11 +106,8 @@ def test_a_returned_total_of_the_losses_is_what_trains(kind):
     for seed in range(2):
         x, y = make_data(4, seed=seed)
         _, total = model(x, y)
-        optimizer.zero_grad()
-        expected = twin(x, y)[1]
-        expected.backward()
-        optimizer.step()
-        torch.testing.assert_close(total, expected.detach())
+        expected = reference_training(twin, optimizer, (x, y))
+        torch.testing.assert_close(total, expected[0])
     assert_same_weights(net, twin)
 
 
@@ -123,7 +121,7 @@ def test_a_returned_final_loss_starts_the_backward_pass_beside_others():
 
         def forward(self, x, y):
             loss = torch.nn.functional.cross_entropy(self.fc(x), y)
-            return loss, 100 * loss
+            return 100 * loss, loss
 
     torch.manual_seed(0)
     net, twin = Reported(), Reported()
@@ -131,9 +129,8 @@ def test_a_returned_final_loss_starts_the_backward_pass_beside_others():
     x, y = make_data(4)
     poptorch.trainingModel(net, options(), torch.optim.SGD(
         net.parameters(), lr=0.1))(x, y)
-    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
-    twin(x, y)[0].backward()
-    optimizer.step()
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       (x, y))
     assert_same_weights(net, twin)
 
 

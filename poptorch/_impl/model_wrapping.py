@@ -53,7 +53,8 @@ def inferenceModel(model: Union[torch.nn.Module, PoplarExecutor],
     its first call, so that the guide's validation model,
     ``poptorch.inferenceModel(training_model)`` followed by
     ``validation_model.model.eval()``, runs in evaluation mode."""
-    return PoplarExecutor(_user_module(model), _options_or_default(options),
+    module = _user_module(model)
+    return PoplarExecutor(module, _options_or_default(options),
                           training=False, poptorch_version=__version__,
-                          user_model=_user_module(model),
-                          modes_at_first_call=isinstance(model, PoplarExecutor))
+                          user_model=module,
+                          modes_at_first_call=module is not model)

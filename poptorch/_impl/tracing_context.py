@@ -120,8 +120,9 @@ class GraphConstants(TorchFunctionMode):
         if target is not None and _is_real(target):
             self._copy(target, target.device if self._device is None
                        else self._device, written=True)
-        args, kwargs = pytree.tree_map_only(
-            torch.Tensor, self._read, (args, kwargs))
+        if self._device is not None or self._copies:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, self._read, (args, kwargs))
         return func(*args, **kwargs)
 
     def _read(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,10 @@ cache; this process then loads them from there.
 The job is written to a temporary directory (graphs as JSON, constants as
 tensors, the executable keys, the threads the kernels are for) and the
 worker started at a lower priority with one thread. ``poll`` says whether
-it is still running, done or failed (with the end of its error output). A process that exits while its
-worker runs stops it (``atexit``); a worker whose parent is gone ends
-itself. The cache's atomic writes mean a stopped worker leaves no
-half-written entry.
+it is still running, done or failed (with the end of its error output). A
+process that exits while its worker runs stops it (``atexit``); a worker
+whose parent is gone ends itself. The cache's atomic writes mean a stopped
+worker leaves no half-written entry.
 """
 import atexit
 import json
