@@ -37,7 +37,7 @@ from .precision.automatic_casting import AutomaticCasting, Policy
 from .precision.half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .profiling.ranges import profile_range
-from .recurrent_layers import RecurrentLayersWithoutOneDnn
+from .recurrent_layers import RecurrentLayersAsOps
 from .signature import flattenable
 from .sparse_gradients import use_dense_gradients
 from .weight_sync import host_reads_suspended
@@ -208,7 +208,7 @@ class ModelCall:
         modes.enter_context(tracing_context.GraphConstants())
         modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
         modes.enter_context(CumulativeAverage())
-        modes.enter_context(RecurrentLayersWithoutOneDnn())
+        modes.enter_context(RecurrentLayersAsOps())
         if self.autocast_policy is not None:
             modes.enter_context(AutomaticCasting(self.autocast_policy))
         return modes
