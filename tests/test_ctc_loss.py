@@ -2,7 +2,9 @@
 gradients for ``log_probs`` equal to PyTorch's ``F.ctc_loss`` (atol 1e-5
 in float32) eagerly, under vmap, and in captured training and inference
 models, reached through ``F.ctc_loss`` / ``nn.CTCLoss`` and through
-``poptorch.custom_op(..., "Ctc", "ai.graphcore", ...)``."""
+``poptorch.custom_op(..., "Ctc", "ai.graphcore", ...)``. Every test runs
+both paths: PyTorch's kernels in one op (``ctc_loss_kernels.py``, the
+CPU's) and the frame-by-frame recursion (other devices')."""
 import copy
 import math
 
@@ -12,10 +14,20 @@ import torch.nn.functional as F
 
 import poptorch
 from conftest import assert_same_weights, options, reference_training
+from poptorch._impl import ctc_loss as ctc_loss_module
 from poptorch._impl.ctc_loss import ctc_loss
 
 ATOL = 1e-5
 FRAMES, BATCH, CLASSES, WIDTH = 8, 5, 5, 4
+
+
+@pytest.fixture(autouse=True, params=["pytorch-kernels", "recursion"])
+def path(request, monkeypatch):
+    """Which op ``ctc_loss`` runs on the CPU."""
+    if request.param == "recursion":
+        monkeypatch.setattr(ctc_loss_module, "uses_pytorch_kernels",
+                            lambda log_probs: False)
+    return request.param
 
 
 def _log_probs(frames=FRAMES, batch=BATCH, classes=CLASSES, seed=0,
@@ -64,6 +76,15 @@ def test_padded_targets_like_pytorch(reduction, zero_infinity):
         zero_infinity=zero_infinity)
     assert torch.isfinite(loss).all() == zero_infinity
     assert torch.isnan(gradient).any() != zero_infinity
+
+
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_pytorch_kernels_give_pytorchs_results_bit_for_bit(path,
+                                                           zero_infinity):
+    """(The recursion rounds differently: atol 1e-5 there.)"""
+    _assert_like_pytorch(_log_probs(), *_hard_batch(), reduction="none",
+                         zero_infinity=zero_infinity,
+                         atol=0 if path == "pytorch-kernels" else ATOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -3,7 +3,10 @@ static shapes, for captured models.
 
 PyTorch's kernel (``aten._ctc_loss``) sizes its workspace by the largest
 target length, a value of the data, so it cannot be captured with fake
-tensors. Here the shapes come from the tensors' shapes alone:
+tensors. Here the shapes come from the tensors' shapes alone. On the CPU
+(float32, float64) ``ctc_loss`` runs PyTorch's kernels inside one op,
+whose output has a static shape (``ctc_loss_kernels.py``); elsewhere it
+runs the recursion below, one vectorised step per frame:
 
 * targets are padded to a static width W: the padded ``(N, S)`` targets'
   S, or for concatenated 1-D targets their total length; either bounded by
@@ -48,7 +51,7 @@ is traced, ``static_ctc_loss`` routes ``F.ctc_loss`` calls to it.
 """
 import contextlib
 import math
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +60,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..enums import ReductionType
 from ..errors import Error
+from .ctc_loss_kernels import (bounded_lengths, ctc_loss_kernels,
+                               replicas_as_one_batch)
 
 _NEGATIVE_INFINITY = float("-inf")
 REDUCTIONS = ("none", "mean", "sum")
@@ -159,14 +164,6 @@ def _prepared(log_probs: Tensor, targets: Tensor, blank: int
     return extended, _emissions(log_probs, extended), skip_into, skip_out_of
 
 
-def _lengths_read(log_probs: Tensor, targets: Tensor, input_lengths: Tensor,
-                  target_lengths: Tensor) -> Tuple[Tensor, Tensor]:
-    """The frames each sample reads and its target length, bounded by T
-    and by the targets' width W."""
-    return (input_lengths.clamp(0, log_probs.shape[0]),
-            target_lengths.clamp(0, targets.shape[1]))
-
-
 @torch.library.custom_op("poptorch::ctc_loss", mutates_args=())
 def _ctc_loss_op(log_probs: Tensor, targets: Tensor, input_lengths: Tensor,
                  target_lengths: Tensor, blank: int, zero_infinity: bool
@@ -176,7 +173,7 @@ def _ctc_loss_op(log_probs: Tensor, targets: Tensor, input_lengths: Tensor,
     longer than W has no alignment."""
     _, emissions, skip_into, _ = _prepared(log_probs, targets, blank)
     alphas = _alphas(emissions, skip_into, target_lengths <= targets.shape[1])
-    nll = -_log_likelihood(alphas, *_lengths_read(
+    nll = -_log_likelihood(alphas, *bounded_lengths(
         log_probs, targets, input_lengths, target_lengths))
     if zero_infinity:
         nll = nll.masked_fill(torch.isinf(nll), 0.0)
@@ -226,7 +223,7 @@ def _ctc_loss_backward_op(grad: Tensor, log_probs: Tensor, targets: Tensor,
     module docstring), ``grad`` being the losses' gradient [N]."""
     frames = log_probs.shape[0]
     extended, emissions, _, skip_out_of = _prepared(log_probs, targets, blank)
-    frames_read, lengths = _lengths_read(log_probs, targets, input_lengths,
+    frames_read, lengths = bounded_lengths(log_probs, targets, input_lengths,
                                          target_lengths)
     active = _active(frames_read, frames)
     betas = _betas(emissions, skip_out_of, active, lengths)
@@ -268,30 +265,13 @@ def _backward(ctx, grad, _):
 _ctc_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _with_replicas_first(tensor: Tensor, dim: Optional[int],
-                         replicas: int) -> Tensor:
-    """``tensor`` with its replica dimension ``dim`` first (expanded when
-    the replicas share it)."""
-    if dim is None:
-        return tensor.unsqueeze(0).expand(replicas, *tensor.shape)
-    return tensor.movedim(dim, 0)
-
-
 def _vmap_rule(info, in_dims, log_probs, targets, input_lengths,
                target_lengths, blank, zero_infinity):
     """Under vmap (vectorised replicas) the R batches are one batch of
     R x N samples."""
-    replicas = info.batch_size
-    log_probs_dim, targets_dim, inputs_dim, lengths_dim = in_dims[:4]
-    stacked = _with_replicas_first(log_probs, log_probs_dim, replicas)
-    frames, batch = stacked.shape[1], stacked.shape[2]
-    merged = stacked.transpose(0, 1).reshape(frames, replicas * batch, -1)
-    nll, alphas = _ctc_loss_op(
-        merged,
-        _with_replicas_first(targets, targets_dim, replicas).flatten(0, 1),
-        _with_replicas_first(input_lengths, inputs_dim, replicas).flatten(),
-        _with_replicas_first(target_lengths, lengths_dim, replicas).flatten(),
-        blank, zero_infinity)
+    merged, replicas, batch = replicas_as_one_batch(
+        info, in_dims, log_probs, targets, input_lengths, target_lengths)
+    nll, alphas = _ctc_loss_op(*merged, blank, zero_infinity)
     return ((nll.unflatten(0, (replicas, batch)),
              alphas.unflatten(1, (replicas, batch))), (0, 1))
 
@@ -364,6 +344,25 @@ def _padded_targets(targets: Tensor, target_lengths: Tensor, batch: int,
     return _concatenated_to_padded(targets, target_lengths, width)
 
 
+#: The dtypes of PyTorch's CTC kernels on the CPU.
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+def uses_pytorch_kernels(log_probs: Tensor) -> bool:
+    """Whether ``ctc_loss`` runs PyTorch's kernels (``ctc_loss_kernels``):
+    on the CPU, where they are exact and about 25 times faster than the
+    recursion. Elsewhere it runs the recursion: CUDA's kernel reads the
+    lengths back to the host, which a CUDA graph cannot hold."""
+    return log_probs.device.type == "cpu" and log_probs.dtype in _KERNEL_DTYPES
+
+
+def _static_losses(log_probs: Tensor):
+    """The op computing the negative log likelihoods [N] for ``log_probs``'s
+    device and dtype."""
+    op = ctc_loss_kernels if uses_pytorch_kernels(log_probs) else _ctc_loss_op
+    return lambda *args: op(*args)[0]
+
+
 def ctc_loss(log_probs: Tensor, targets: Tensor, input_lengths: Lengths,
              target_lengths: Lengths, blank: int = 0, reduction: str = "mean",
              zero_infinity: bool = False) -> Tensor:
@@ -385,8 +384,9 @@ def ctc_loss(log_probs: Tensor, targets: Tensor, input_lengths: Lengths,
     target_lengths = _lengths("target_lengths", target_lengths, batch,
                               batched, device)
     padded = _padded_targets(targets, target_lengths, batch, batched, frames)
-    nll, _ = _ctc_loss_op(log_probs, padded, input_lengths, target_lengths,
-                          blank, bool(zero_infinity))
+    nll = _static_losses(log_probs)(log_probs, padded, input_lengths,
+                                    target_lengths, blank,
+                                    bool(zero_infinity))
     if reduction == "mean":
         return (nll / target_lengths.clamp(min=1).to(nll.dtype)).mean()
     if reduction == "sum":

@@ -174,8 +174,6 @@ def _per_replica(op):
 
 
 recurrent_layer.register_vmap(_per_replica(recurrent_layer))
-recurrent_layer_backward.register_vmap(
-    _per_replica(recurrent_layer_backward))
 
 
 def _layer_slices(items: Sequence[Tensor], layers: int) -> List[List[Tensor]]:

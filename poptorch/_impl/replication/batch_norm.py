@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..cumulative_batch_norm import batch_norm_arguments
+from .stacking import replicas_first
 
 _Stats = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
@@ -177,25 +178,14 @@ def _vmap_rule(info, in_dims, x, weight, bias, running_mean, running_var,
     x_dim, weight_dim, bias_dim, mean_dim, var_dim = in_dims[:5]
     replicas = info.batch_size
     if weight_dim is not None or bias_dim is not None:
-        weight = _stacked(weight, weight_dim, replicas)
-        bias = _stacked(bias, bias_dim, replicas)
+        weight = replicas_first(weight, weight_dim, replicas)
+        bias = replicas_first(bias, bias_dim, replicas)
     out, _, _, mean, var = replica_batch_norm(
-        _stacked(x, x_dim, replicas).contiguous(), weight, bias,
-        _stacked(running_mean, mean_dim, replicas),
-        _stacked(running_var, var_dim, replicas), momentum, eps)
+        replicas_first(x, x_dim, replicas).contiguous(), weight, bias,
+        replicas_first(running_mean, mean_dim, replicas),
+        replicas_first(running_var, var_dim, replicas), momentum, eps)
     running_dims = 0 if running_mean is not None else None
     return (out, mean, var), (0, running_dims, running_dims)
-
-
-def _stacked(tensor: Optional[Tensor], dim: Optional[int],
-             replicas: int) -> Optional[Tensor]:
-    """``tensor`` with its replica dimension ``dim`` first (expanded when
-    the replicas share it)."""
-    if tensor is None:
-        return None
-    if dim is None:
-        return tensor.unsqueeze(0).expand(replicas, *tensor.shape)
-    return tensor.movedim(dim, 0)
 
 
 batch_norm_training.register_vmap(_vmap_rule)
