@@ -581,3 +581,32 @@ def test_knobs_without_effect_are_accepted_and_logged_once(poptorch_log):
     assert any("miss_sleep_time_in_ms has no effect" in m for m in messages)
     assert any("async_options have no effect" in m for m in messages)
     assert any("rebatched_worker_size only applies" in m for m in messages)
+
+
+UNGUARDED_SCRIPT = """
+    import torch
+    from poptorch._impl.data import AsynchronousDataAccessor
+    from poptorch.enums import SharingStrategy
+
+    accessor = AsynchronousDataAccessor(
+        [torch.zeros(2)] * 4, sharing_strategy=SharingStrategy.SharedMemory)
+    list(accessor)
+"""
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """A spawned worker runs the main script again, which starts another
+    worker while the first is still starting: multiprocessing stops it.
+    The error says what to change."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(UNGUARDED_SCRIPT))
+    environment = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, str(script)], text=True,
+                            capture_output=True, env=environment,
+                            timeout=120)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "exited with code 1" in last_line
+    assert "if __name__ == '__main__':" in last_line
+    assert "SharingStrategy.Fork" in last_line

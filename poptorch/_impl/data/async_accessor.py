@@ -202,6 +202,8 @@ class _WorkerHandle:
         commands_out, commands_in = context.Pipe(duplex=False)
         events_out, events_in = context.Pipe(duplex=False)
         self._strategy = strategy
+        self._start_method = context.get_start_method()
+        self._heard_from = False
         self._process = context.Process(
             target=run_worker,
             args=(source, config, commands_out, events_in),
@@ -240,7 +242,9 @@ class _WorkerHandle:
         while True:
             if self._events.poll():
                 try:
-                    return self._events.recv()
+                    event = self._events.recv()
+                    self._heard_from = True
+                    return event
                 except (EOFError, ConnectionResetError):
                     raise self._died() from None
             ready = multiprocessing.connection.wait(
@@ -270,7 +274,19 @@ class _WorkerHandle:
         return Error(f"The AsynchronousDataAccessor worker process (pid "
                      f"{self.pid}, {strategy_name(self._strategy)}) {how} "
                      "while loading data; the accessor cannot be used any "
-                     "more")
+                     f"more{self._start_failure_hint(code)}")
+
+    def _start_failure_hint(self, code: Optional[int]) -> str:
+        """Why a worker started by running the main script again may have
+        failed before it said anything."""
+        if self._heard_from or code != 1 \
+                or self._start_method not in ("spawn", "forkserver"):
+            return ""
+        return (f". A worker started with '{self._start_method}' runs the "
+                "main script again before it starts (its traceback is "
+                "printed above): keep the script's training code under "
+                "`if __name__ == '__main__':`, as Python's multiprocessing "
+                "requires, or use sharing_strategy=SharingStrategy.Fork")
 
 
 def _error_from_report(report: ErrorReport, where: str) -> Error:
