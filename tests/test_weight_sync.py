@@ -363,3 +363,116 @@ def test_training_models_of_modules_sharing_sub_modules_see_each_other():
     d_model.copyWeightsToHost()   # its generator is older than g_model's
     assert_same_weights(generator, plain_generator)
     assert_same_weights(discriminator, plain_discriminator)
+
+
+def _sgd_step(module, x, y, lr=0.5):
+    """One plain PyTorch SGD step of ``module`` on (x, y)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    optimizer.zero_grad()
+    module(x, y)[1].backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("through", ["module", "sub-module"])
+def test_loading_a_state_dict_into_the_module_after_training_is_kept(
+        mlp, twin, through):
+    """Rolling back to a checkpoint on the host (all of it, or one layer
+    through a reference the program holds): the trained weights are not
+    copied over it later, an inference model evaluates it and the training
+    model's next call starts from it."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    expected = copy.deepcopy(twin)
+    if through == "module":
+        mlp.load_state_dict(twin.state_dict())
+    else:
+        layer = mlp.fc1
+        layer.load_state_dict(twin.fc1.state_dict())
+        _sgd_step(expected, x, y)
+        expected.fc1.load_state_dict(twin.fc1.state_dict())
+    assert_same_weights(mlp, expected)
+    torch.testing.assert_close(poptorch.inferenceModel(mlp)(x), expected(x))
+    model(x, y)
+    _sgd_step(expected, x, y)
+    assert_same_weights(mlp, expected)
+
+
+def test_a_new_layer_assigned_after_training_keeps_its_own_weights(mlp, twin):
+    """The trained weights of the layer it replaces are not copied into
+    it; the rest of the module holds the trained weights."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    head = torch.nn.Linear(8, 3)
+    fresh = copy.deepcopy(head.state_dict())
+    mlp.fc2 = head
+    _sgd_step(twin, x, y)
+    twin.fc2.load_state_dict(fresh)
+    assert_same_weights(mlp, twin)
+
+
+def test_a_layer_replaced_after_training_needs_a_new_compilation(mlp, twin):
+    """Turning the classifier into a feature extractor: a new inference
+    model runs the module as it is now; the models compiled before refuse
+    to run the old structure until destroy(), after which they compile the
+    new one."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    validation = poptorch.inferenceModel(mlp)
+    model(x, y)
+    validation(x)
+    mlp.fc2 = torch.nn.Identity()
+    _sgd_step(twin, x, y)
+    twin.fc2 = torch.nn.Identity()
+    features = poptorch.inferenceModel(mlp)
+    torch.testing.assert_close(features(x), twin(x))
+    for compiled_before, data in ((model, (x, y)), (validation, (x,))):
+        with pytest.raises(poptorch.Error, match="was replaced after this "
+                           "model was compiled.*destroy()"):
+            compiled_before(*data)
+    validation.destroy()
+    torch.testing.assert_close(validation(x), twin(x))
+    model.destroy()
+    assert_same_weights(mlp, twin)
+
+
+def test_requires_grad_changed_after_compilation_is_reported_once(
+        mlp, twin, poptorch_log):
+    """The compiled step keeps training what it compiled for (as a graph
+    compiled on the first call does), and says so."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    mlp.fc1.requires_grad_(False)
+    model(x, y)
+    model(x, y)
+    for _ in range(3):
+        _sgd_step(twin, x, y)
+    assert_same_weights(mlp, twin)
+    warnings = [record.getMessage() for record in poptorch_log.records
+                if "requires_grad" in record.getMessage()]
+    assert len(warnings) == 1 and "destroy()" in warnings[0]
+
+
+def test_weights_changed_while_detached_are_used_after_attaching(mlp, twin):
+    """Attaching copies the host's weights to the device, as PopTorch
+    does."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    model.detachFromDevice()
+    with torch.no_grad():
+        mlp.fc2.weight.mul_(0.5)
+    model.attachToDevice()
+    model(x, y)
+    _sgd_step(twin, x, y)
+    with torch.no_grad():
+        twin.fc2.weight.mul_(0.5)
+    _sgd_step(twin, x, y)
+    assert_same_weights(mlp, twin)

@@ -24,7 +24,7 @@ from .device_state import updatable_buffers
 from .devices import select_device
 from .lightning_logging import logged_output
 from .log_files import apply_log_options
-from .logger import logger
+from .logger import logger, warn_once
 from .options.groups import freeze
 from .optimizers import optimizer_state
 from .optimizers.global_attributes import GlobalAttributes
@@ -167,6 +167,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._compiled = compiled
         if self._training:
             self._link.device_state = compiled.training.optimizer_state
+            self._trainable = _trainable(self._module)
+        self._structure = self._sync.structure
         self._loaded_version = self._sync.version
         self._destroyed = False
         if self._options.connection_type == ConnectionType.Always:
@@ -216,13 +218,33 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._compiled is None:
             self._compile(call)
         else:
-            self._compiled.signature.check(call)
+            self._check_still_valid(call)
         with self._profile.top_range("call"):
             self._connect_for_run()
             self._load_weights_trained_elsewhere(
-                same_module=not self._training and
-                self._loaded_version != self._sync.version)
+                same_module=self._loaded_version != self._sync.version)
             return self._run(call)
+
+    def _check_still_valid(self, call: CallArguments) -> None:
+        """Before a call of a compiled model: the same argument structure,
+        parameters and sub-modules as compiled; a change of
+        ``requires_grad`` is reported once."""
+        self._compiled.signature.check(call)
+        if self._sync.structure != self._structure:
+            raise Error(
+                "A parameter or sub-module of the wrapped "
+                f"{type(self._module).__name__} was replaced after this "
+                "model was compiled, which the compiled model cannot follow: "
+                "call destroy() on it, and the next call compiles the module "
+                "as it is now (the trained weights are on the host)")
+        if self._training and self._trainable != _trainable(self._module):
+            warn_once(
+                f"requires_grad of parameters of the wrapped "
+                f"{type(self._module).__name__} changed after the training "
+                "model was compiled: the compiled step keeps training the "
+                "parameters that required gradients at its first call. Call "
+                "destroy() on the model to compile it with the new flags "
+                "(the optimizer state is kept).")
 
     def _load_weights_trained_elsewhere(self, same_module: bool = False
                                         ) -> None:
@@ -365,12 +387,15 @@ class PoplarExecutor(CompiledExecutionMethods):
 
     # --- device ------------------------------------------------------------
     def attachToDevice(self) -> None:
-        """Attach to the device: the model's state moves onto it."""
+        """Attach to the device: the model's state moves onto it, and the
+        host's weights are copied to it, as PopTorch does on attaching
+        (changes made to them while detached take effect)."""
         compiled = self._require_compiled("attachToDevice")
         if self._attached:
             raise Error("attachToDevice: the model is already attached")
         compiled.move(select_device(self._options.use_ipu_model))
         self._attached = True
+        self.copyWeightsToDevice()
 
     def detachFromDevice(self) -> None:
         """Detach from the device: trained weights go back to the host and
@@ -435,6 +460,11 @@ def compiled_model(executor: PoplarExecutor) -> Optional[CompiledModel]:
     """The compiled state of ``executor``, None before compilation: the
     window into it for tools and tests (programs use PopTorch's methods)."""
     return executor._compiled
+
+
+def _trainable(module: torch.nn.Module) -> List[bool]:
+    """Each parameter's ``requires_grad``."""
+    return [param.requires_grad for param in _host_params(module)]
 
 
 def _host_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:

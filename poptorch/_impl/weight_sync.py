@@ -11,6 +11,14 @@ holds itself (``net`` after ``trainingModel(WithLoss(net))``) when it reads
 its weights or calls it. Pickling and
 deep-copying the module give a plain instance of the original class.
 
+Writes to the host copy that the module sees make it the newer copy: its
+``load_state_dict``, and assigning a parameter, buffer or sub-module
+attribute, first bring trained weights back (so that what the write leaves
+alone is current and is not overwritten later), then count a new version
+that every model of the module loads before its next call. Assigning a
+parameter or sub-module also changes the module's structure, which a
+compiled model cannot follow (``structure``).
+
 Models of different modules may share sub-modules (a GAN's generator loss
 and discriminator loss both hold the generator and the discriminator).
 ``SharedTensors`` keeps a record of every compiled model's parameters and
@@ -57,6 +65,7 @@ class ModuleSync:
         self.trainer = None
         self.executors = 0
         self.version = 0
+        self.structure = 0
         self.device_newer = False
 
     def register(self, executor, training: bool, module_name: str) -> None:
@@ -81,6 +90,13 @@ class ModuleSync:
         """A training call changed the device weights."""
         self.device_newer = True
         self.version += 1
+
+    def host_written(self, structural: bool) -> None:
+        """The program wrote to the host copy (after it was brought up to
+        date): models load it before their next call."""
+        self.version += 1
+        if structural:
+            self.structure += 1
 
     def bring_host_up_to_date(self) -> bool:
         """Copy trained weights to the host if they are newer there."""
@@ -131,10 +147,7 @@ def attach(module: torch.nn.Module) -> ModuleSync:
     sync = module.__dict__.get(_SYNC_ATTRIBUTE)
     if sync is None:
         sync = ModuleSync()
-        for sub in _hookable(module):
-            sub.__dict__.setdefault(_SYNCS_ATTRIBUTE, []).append(sync)
-            if not hasattr(type(sub), "_poptorch_original_class"):
-                sub.__class__ = _hooked_class(type(sub))
+        _hook(module, [sync])
         module.__dict__[_SYNC_ATTRIBUTE] = sync
     return sync
 
@@ -153,6 +166,16 @@ def detach(module: torch.nn.Module) -> None:
         if not syncs:
             sub.__dict__.pop(_SYNCS_ATTRIBUTE, None)
             sub.__class__ = type(sub)._poptorch_original_class
+
+
+def _hook(module: torch.nn.Module, syncs: List[ModuleSync]) -> None:
+    """The module and its sub-modules belong to ``syncs`` too, and their
+    reads and writes are hooked."""
+    for sub in _hookable(module):
+        known = sub.__dict__.setdefault(_SYNCS_ATTRIBUTE, [])
+        known.extend(sync for sync in syncs if sync not in known)
+        if not hasattr(type(sub), "_poptorch_original_class"):
+            sub.__class__ = _hooked_class(type(sub))
 
 
 def _hookable(module: torch.nn.Module) -> List[torch.nn.Module]:
@@ -175,8 +198,10 @@ def _hooked_class(original: type) -> type:
     if hooked is None:
         namespace = {name: _reading(getattr(original, name))
                      for name in _READ_METHODS}
+        namespace["load_state_dict"] = _writing(original.load_state_dict)
         namespace.update(
-            __getattr__=_getattr, __reduce_ex__=_reduce_ex,
+            __getattr__=_getattr, __setattr__=_setattr,
+            __reduce_ex__=_reduce_ex,
             __module__=original.__module__, __qualname__=original.__qualname__,
             _poptorch_original_class=original)
         hooked = type(original.__name__, (original,), namespace)
@@ -202,6 +227,45 @@ def _reading(method):
     hooked.__name__ = method.__name__
     hooked.__doc__ = method.__doc__
     return hooked
+
+
+def _writing(method):
+    def hooked(self, *args, **kwargs):
+        _before_read(self)
+        result = method(self, *args, **kwargs)
+        _after_write(self, structural=False)
+        return result
+
+    hooked.__name__ = method.__name__
+    hooked.__doc__ = method.__doc__
+    return hooked
+
+
+def _after_write(module: torch.nn.Module, structural: bool) -> None:
+    for sync in module.__dict__.get(_SYNCS_ATTRIBUTE, ()):
+        sync.host_written(structural)
+
+
+def _setattr(self, name: str, value) -> None:
+    """Assigning a parameter, buffer or sub-module is a write to the host
+    copy; a new sub-module joins the models' hooks."""
+    original = type(self)._poptorch_original_class.__setattr__
+    if _suspended[0] or not _holds_weights(self, name, value):
+        original(self, name, value)
+        return
+    _before_read(self)
+    original(self, name, value)
+    if isinstance(value, torch.nn.Module):
+        _hook(value, self.__dict__.get(_SYNCS_ATTRIBUTE, []))
+    _after_write(self, structural=name not in self._buffers)
+
+
+def _holds_weights(module: torch.nn.Module, name: str, value) -> bool:
+    """Whether ``module.name = value`` sets or replaces a parameter, buffer
+    or sub-module."""
+    return (isinstance(value, (torch.nn.Module, torch.nn.Parameter))
+            or name in module._parameters or name in module._buffers
+            or name in module._modules)
 
 
 def _getattr(self, name: str):
