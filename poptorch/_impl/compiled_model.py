@@ -133,7 +133,9 @@ class CompiledModel:
             list(call.leaves), call.tensor_positions(),
             target_dtype(spec.options.Precision.half_float_casting),
             _autocast_policy(spec.options.Precision))
-        inputs = [layout.split(t.to(device)) for t in call.tensors()]
+        # Contiguous, as every call's inputs are (``_call``).
+        inputs = [layout.split(t.to(device).contiguous())
+                  for t in call.tensors()]
         micro = [(t if t.dim() == 0 else t[0, 0, 0]).clone() for t in inputs]
         analysis = capture.analyse(
             model_call, grouped.replica_params(state.params),

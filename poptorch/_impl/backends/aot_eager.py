@@ -5,7 +5,8 @@ It runs the same graph transformation the "inductor" backend compiles from
 (in-place writes to inputs become functional updates copied back into the
 inputs), in well under a second, so a difference between "graph" and
 "inductor" can be narrowed down to functionalization or to Inductor's code
-generation. It is for debugging, not speed.
+generation. It is for debugging, not speed. Its views become reshapes, as
+the graph backend's do (``reshapes.py``).
 """
 from typing import List, Optional
 
@@ -13,10 +14,15 @@ import torch
 
 from .backend import Backend, CompiledStep, register
 from .in_place import Donation
+from .reshapes import reshape_views
 
 
 def _run_graph(graph: torch.fx.GraphModule, example_inputs) -> CompiledStep:
+    """The functionalized graph, its views made reshapes as the graph
+    backend's are (``reshapes.py``)."""
     from functorch.compile import make_boxed_func
+    reshape_views(graph.graph)
+    graph.recompile()
     return make_boxed_func(graph.forward)
 
 

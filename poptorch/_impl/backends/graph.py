@@ -12,7 +12,9 @@ optimizer's scaled additions run as one operation each
 channels-last kernel (``pooling.py``), and elementwise operations whose
 first operand is dead afterwards (a tensor the step made, or an input the
 caller donates: the parameters and optimizer state a training step
-replaces) run in place (``in_place.py``).
+replaces) run in place (``in_place.py``). Views become reshapes, which
+tolerate the layouts tensors have at run time where PyTorch's prediction
+at capture differs (``reshapes.py``).
 """
 from typing import List, Optional
 
@@ -23,6 +25,7 @@ from .backend import Backend, CompiledStep, register
 from .in_place import Donation, reuse_dead_tensors
 from .linear_layers import fuse_linear_layers
 from .pooling import pool_channels_last
+from .reshapes import reshape_views
 from .scaled_addition import fuse_scaled_additions
 
 
@@ -42,6 +45,7 @@ class GraphBackend(Backend):
         fuse_linear_layers(rewritten)
         fuse_scaled_additions(rewritten)
         pool_channels_last(rewritten)
+        reshape_views(rewritten)
         reuse_dead_tensors(rewritten, donation or Donation({}))
         return torch.fx.GraphModule(graph, rewritten)
 

@@ -152,7 +152,8 @@ class _Storage:
                     for user in alias.users), default=-1)
 
 
-_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.reshape.default)
 
 
 def _reshapes_all_of(node: Node, argument: Node) -> bool:
