@@ -468,13 +468,8 @@ def load_state_dict(optimizer: torch.optim.Optimizer,
     else at compilation). On any error the optimizer and the model are left
     as they were."""
     model = linked_model(optimizer)
-    extras = state_dict.get(STATE_DICT_KEY) if isinstance(
-        state_dict, Mapping) else None
-    if model is None and extras is None:
-        torch_load(state_dict)
-        _keep_loaded_dtypes(optimizer, state_dict)
-        return
     _check_state_dict(optimizer, state_dict)
+    extras = state_dict[STATE_DICT_KEY]
     torch_part = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
     device = _compiled_state(optimizer)
     flat = None
@@ -507,10 +502,10 @@ def _check_state_dict(optimizer: torch.optim.Optimizer,
     if extras is None:
         raise Error(
             f"{prefix}: it has no '{STATE_DICT_KEY}' entry, so it does not "
-            f"come from the state_dict() of a poptorch.optim optimizer. An "
-            f"optimizer used by a training model can only load the state "
-            f"dict of such an optimizer (a torch.optim state dict lacks the "
-            f"device state)")
+            f"come from the state_dict() of a poptorch.optim optimizer. A "
+            f"poptorch.optim optimizer can only load the state dict of such "
+            f"an optimizer, not one from native PyTorch (a torch.optim "
+            f"state dict lacks its hyper-parameters and the device state)")
     if not isinstance(extras, Mapping) or \
             extras.get("version") != FORMAT_VERSION:
         raise Error(f"{prefix}: its '{STATE_DICT_KEY}' entry must be a dict "
