@@ -21,7 +21,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .replication.stacking import replicas_first
+from .replica_stacking import replicas_first
 
 
 def bounded_lengths(log_probs: Tensor, targets: Tensor, input_lengths: Tensor,

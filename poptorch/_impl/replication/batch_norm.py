@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..cumulative_batch_norm import batch_norm_arguments
-from .stacking import replicas_first
+from ..replica_stacking import replicas_first
 
 _Stats = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
