@@ -134,6 +134,93 @@ def test_a_returned_final_loss_starts_the_backward_pass_beside_others():
     assert_same_weights(net, twin)
 
 
+class TotalBesideItsParts(torch.nn.Module):
+    """A total returned with the loss function's result, or values
+    computed from it, beside it: a VAE's reconstruction and KL terms, a
+    z-loss with the perplexity, per-sample losses weighted by an input
+    (prioritised replay) with the unweighted ones."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.latent = torch.nn.Parameter(torch.ones(3))
+        self.kind = kind
+
+    def forward(self, x, y, weights):
+        out = self.fc(x) * self.latent
+        if self.kind == "vae":
+            recon = torch.nn.functional.mse_loss(out, torch.zeros_like(out))
+            kl = (self.latent ** 2).mean()
+            return (recon, kl), recon + 4 * kl
+        if self.kind == "z-loss":
+            ce = torch.nn.functional.cross_entropy(out, y)
+            z = torch.logsumexp(out, -1).pow(2).mean()
+            return torch.exp(ce), ce + 1e-2 * z
+        per_sample = torch.nn.functional.smooth_l1_loss(
+            out.sum(-1), torch.zeros_like(weights), reduction="none")
+        return per_sample.detach(), (per_sample * weights).mean()
+
+
+@pytest.mark.parametrize("kind", ["vae", "z-loss", "weighted-per-sample"])
+def test_a_returned_total_trains_beside_its_parts(kind):
+    """Before, returning the loss function's result (or a value computed
+    from it alone) beside the total made the backward pass start from that
+    result, leaving the other terms untrained, silently."""
+    torch.manual_seed(0)
+    net, twin = TotalBesideItsParts(kind), TotalBesideItsParts(kind)
+    twin.load_state_dict(net.state_dict())
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for seed in range(2):
+        x, y = make_data(4, seed=seed)
+        data = (x, y, torch.linspace(0.1, 2.0, 4))
+        model(*data)
+        reference_training(twin, optimizer, data)
+    assert_same_weights(net, twin)
+
+
+def test_totals_none_computed_from_the_others_are_an_error():
+    class TwoTotals(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            ce = torch.nn.functional.cross_entropy(out, y)
+            return ce + out.pow(2).mean(), ce + out.abs().mean()
+
+    model = poptorch.trainingModel(TwoTotals(), options())
+    with pytest.raises(poptorch.Error, match="outputs 0, 1 .*identity_loss"):
+        model(*make_data(4))
+
+
+def test_a_loss_computed_under_no_grad_is_a_metric():
+    """It is not a second final loss: the identity loss trains."""
+    class WithMetric(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            with torch.no_grad():
+                metric = torch.nn.functional.mse_loss(out, out.round())
+            ce = torch.nn.functional.cross_entropy(out, y)
+            return metric, poptorch.identity_loss(ce, "none")
+
+    torch.manual_seed(0)
+    net, twin = WithMetric(), WithMetric()
+    twin.load_state_dict(net.state_dict())
+    x, y = make_data(4)
+    poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))(x, y)
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       (x, y))
+    assert_same_weights(net, twin)
+
+
 def test_model_without_loss_is_an_error(mlp):
     model = poptorch.trainingModel(torch.nn.Linear(4, 2), options())
     with pytest.raises(poptorch.Error, match="no loss"):

@@ -30,7 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
-from . import blocks, losses, recomputation, tracing_context
+from . import (backward_start, blocks, losses, recomputation,
+               tracing_context)
 from .compile_errors import capture_refusal, locate
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
 from .precision.automatic_casting import AutomaticCasting, Policy
@@ -249,7 +250,7 @@ class ModelAnalysis:
     params_reaching_loss: List[int]
     blocks: List[blocks.BlockRecord]    # annotated blocks, in order met
     #: The returned tensor the backward pass starts from, when it is one
-    #: computed from the final loss(es) (``_returned_total``).
+    #: computed from the final loss(es) (``backward_start.py``).
     loss_output: Optional[int] = None
 
     def backward_start(self, recorded_losses: List[torch.Tensor],
@@ -335,50 +336,6 @@ def _written_placeholders(graph: torch.fx.Graph) -> List[int]:
     return sorted(written)
 
 
-def _reachable(node: torch.fx.Node, neighbours) -> set:
-    """Nodes reachable from ``node`` through ``neighbours(node)``."""
-    seen, todo = set(), [node]
-    while todo:
-        for other in neighbours(todo.pop()):
-            if other not in seen:
-                seen.add(other)
-                todo.append(other)
-    return seen
-
-
-def _descendants(node: torch.fx.Node) -> set:
-    return _reachable(node, lambda n: n.users)
-
-
-def _ancestors(node: torch.fx.Node) -> set:
-    return _reachable(node, lambda n: n.all_input_nodes)
-
-
-def _final_losses(loss_nodes: List[torch.fx.Node]) -> List[torch.fx.Node]:
-    """The recorded losses that feed no other recorded loss."""
-    if not loss_nodes:
-        raise Error(losses.NO_LOSS_MESSAGE)
-    distinct = set(loss_nodes)
-    return list(dict.fromkeys(
-        node for node in loss_nodes if not _descendants(node) & distinct))
-
-
-def _returned_total(returned: List[torch.fx.Node],
-                    finals: List[torch.fx.Node]) -> Optional[int]:
-    """The index of the one returned single-element tensor computed from
-    every final loss by further operations (``loss * 0.5 + reg``, a
-    hand-written label smoothing, ``ctc + ce``), when no final loss is
-    returned itself; else None. The backward pass starts from it, as
-    ``returned.backward()`` would in PyTorch."""
-    if any(node in finals for node in returned):
-        return None
-    totals = [index for index, node in enumerate(returned)
-              if isinstance(node.meta.get("val"), torch.Tensor)
-              and node.meta["val"].numel() == 1
-              and set(finals) <= _ancestors(node)]
-    return totals[0] if len(totals) == 1 else None
-
-
 def _choose_backward_start(analysis: ModelAnalysis,
                            returned: List[torch.fx.Node],
                            loss_nodes: List[torch.fx.Node],
@@ -386,8 +343,8 @@ def _choose_backward_start(analysis: ModelAnalysis,
     """Set where the backward pass starts (a returned total, else the one
     final loss) and return its node. ``places``: the user's line of each
     recorded loss."""
-    finals = _final_losses(loss_nodes)
-    analysis.loss_output = _returned_total(returned, finals)
+    finals = backward_start.final_losses(loss_nodes)
+    analysis.loss_output = backward_start.returned_total(returned, finals)
     if analysis.loss_output is not None:
         return returned[analysis.loss_output]
     if len(finals) > 1:
@@ -417,7 +374,8 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return tensors + recorder.losses
 
-    with capture_scope(call.module, training_flags) as block_records:
+    with capture_scope(call.module, training_flags) as block_records, \
+            losses.recording_mode(training):
         graph = trace_user_code(forward, params + buffers + inputs).graph
     written = _written_placeholders(graph)
     num_state = len(params) + len(buffers)
@@ -433,7 +391,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         split_at = len(outputs) - found["num_losses"]
         start = _choose_backward_start(analysis, outputs[:split_at],
                                        outputs[split_at:], found["places"])
-        reaching = _ancestors(start)
+        reaching = backward_start.ancestors(start)
         analysis.params_reaching_loss = [
             i for i, node in enumerate(_placeholders(graph)[:len(params)])
             if node in reaching]

@@ -4,12 +4,14 @@ While a training model is captured, every call of a torch loss function (the
 ``torch.nn.functional`` losses, which the ``torch.nn`` loss modules call) and
 every ``poptorch.identity_loss`` is recorded in call order. The final loss is
 the recorded loss that no other recorded loss depends on; the capture finds it
-by graph reachability (see ``capture.py``), and starts the backward pass from
-it, or from the single-element tensor ``forward`` returns that is computed
-from the final losses by further operations (``capture._returned_total``).
+by graph reachability, and starts the backward pass from it, or from the
+single-element tensor ``forward`` returns that is the model's total loss
+(``backward_start.py``). A loss computed under ``torch.no_grad()`` (a
+metric) is not recorded: nothing can be trained on it.
 """
+import contextlib
 import traceback
-from typing import List, Optional
+from typing import ContextManager, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,8 @@ class LossRecorder(TorchFunctionMode):
         self.places: List[str] = []
 
     def record(self, loss: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():
+            return
         self.losses.append(loss)
         self.places.append(describe_frame(user_frame(
             traceback.extract_stack())))
@@ -57,6 +61,14 @@ class LossRecorder(TorchFunctionMode):
         if func in LOSS_FUNCTIONS and isinstance(result, torch.Tensor):
             self.record(result)
         return result
+
+
+def recording_mode(training: bool) -> ContextManager[None]:
+    """Grad mode on while a training model's forward pass is traced, as
+    the training step traces it, so that the losses recorded are the same
+    in every trace (those under the model's own ``torch.no_grad()`` are
+    not); an inference trace keeps the caller's mode."""
+    return torch.enable_grad() if training else contextlib.nullcontext()
 
 
 def _active_recorder() -> Optional[LossRecorder]:
@@ -100,3 +112,10 @@ SEVERAL_LOSSES_MESSAGE = (
     "backward pass starts from one final loss: combine them into one tensor "
     "and wrap it in poptorch.identity_loss, for example "
     "poptorch.identity_loss(loss_a + loss_b, reduction='none').")
+
+SEVERAL_TOTALS_MESSAGE = (
+    "The training model returns several single-element values computed "
+    "from its loss with further terms (outputs {positions} of its flattened "
+    "tensor outputs), none computed from the others, so it is not clear "
+    "which one to train on: wrap that one in poptorch.identity_loss, for "
+    "example poptorch.identity_loss(total, reduction='none').")

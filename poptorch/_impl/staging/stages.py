@@ -86,7 +86,8 @@ def trace_forward(call: ModelCall, analysis: ModelAnalysis,
                 if training else [])
         return [b[i] for i in analysis.written_buffers] + returned + loss
 
-    with capture_scope(call.module, training_flags):
+    with capture_scope(call.module, training_flags), \
+            losses.recording_mode(training):
         return trace_user_code(forward, list(params) + list(buffers) +
                                list(inputs), keep_detaches=True)
 
