@@ -266,12 +266,46 @@ class _CountingModel(torch.nn.Module):
         return x * self.calls
 
 
-def test_shared_written_buffers_in_inference_run_replicas_in_turn():
+def test_written_buffers_broadcast_to_inference_replicas_are_an_error():
+    """As in training: parallel replicas cannot share a buffer they write
+    (they ran in turn on one buffer before, which no device does)."""
     model = poptorch.inferenceModel(_CountingModel(), options(replicas=3))
-    out = model(torch.ones(3, 2))
-    assert compiled_model(model).engine.replicas.path == "sequential"
-    torch.testing.assert_close(out, torch.tensor([[1.0] * 2, [2.0] * 2,
-                                                  [3.0] * 2]))
+    with pytest.raises(poptorch.Error,
+                       match=r"writes to its buffers \(calls\).*"
+                       r"broadcastBuffers\(False\)"):
+        model(torch.ones(3, 2))
+
+
+def test_inference_replicas_keep_the_buffers_they_write():
+    """With broadcastBuffers(False) each replica counts its own calls;
+    the host sees the first replica's count."""
+    module = _CountingModel()
+    model = poptorch.inferenceModel(module, options(
+        device_iterations=2, replicas=3, broadcastBuffers=False))
+    out = model(torch.ones(6, 2))
+    torch.testing.assert_close(out, torch.tensor([[1.0] * 2] * 3 +
+                                                 [[2.0] * 2] * 3))
+    model.copyWeightsToHost()
+    assert module.calls.item() == 2.0
+
+
+def test_batchnorm_in_training_mode_in_inference_runs_per_replica():
+    """A BatchNorm left in training mode in an inference model normalises
+    each replica's micro-batch by its own statistics and updates each
+    replica's running statistics, as in training."""
+    torch.manual_seed(0)
+    net = torch.nn.BatchNorm1d(2)
+    twin = copy.deepcopy(net)
+    x = torch.randn(8, 2)
+    model = poptorch.inferenceModel(net, options(device_iterations=2,
+                                                 replicas=2))
+    out = model(x)
+    replica_0 = copy.deepcopy(twin)
+    expected = [replica_0(x[0:2]), twin(x[2:4]), replica_0(x[4:6]),
+                twin(x[6:8])]
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-6, rtol=0)
+    model.copyWeightsToHost()
+    assert_same_weights(net, replica_0)
 
 
 @pytest.mark.parametrize("mode, period, factor", [

@@ -121,8 +121,7 @@ class CompiledModel:
             layout.device_iterations * layout.gradient_accumulation)
         module, device = spec.module, session.device
         with weight_sync.host_reads_suspended():
-            sets = buffer_sets(spec.options, spec.training, module,
-                               spec.training_flags)
+            sets = buffer_sets(spec.options, module, spec.training_flags)
             with profile_range("weight upload"):
                 state = DeviceState(module, device, sets)
             grouped = grouping.collect(module, state.param_names,
@@ -140,8 +139,13 @@ class CompiledModel:
         analysis = capture.analyse(
             model_call, grouped.replica_params(state.params),
             state.buffers[0], micro, spec.training, spec.training_flags)
-        replicas = ReplicaExecution.choose(
-            layout, analysis, spec.training, grouped, sets == layout.replicas)
+        if not spec.training:
+            check_buffers_unwritten(
+                module, spec.training_flags, state.buffer_names,
+                analysis.written_buffers,
+                spec.options.broadcast_buffers and layout.replicas > 1)
+        replicas = ReplicaExecution.choose(layout, analysis, spec.training,
+                                           grouped)
         compile_inputs = CompileInputs(model_call, analysis, state, micro,
                                        inputs, layout, replicas, session,
                                        spec.training_flags)

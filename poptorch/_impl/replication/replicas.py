@@ -29,8 +29,7 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   in the graph, so every ``OutputMode`` gets them.
 * sequential: the replicas' steps run one after another in the device
   loop. It is used when vectorising would change the results (``forward``
-  writes its input tensors in place; inference replicas share buffers that
-  ``forward`` writes, so each must see the previous one's writes) or when
+  writes its input tensors in place) or when
   vmap cannot trace the model (for example an ``autograd.Function`` without
   a vmap rule, or ``torch.utils.checkpoint``, which recomputes part of the
   forward pass in the backward pass, outside vmap): the first step is
@@ -77,14 +76,14 @@ def check_layout(layout: BatchLayout) -> None:
             f"replicationFactor ({layout.replicas})")
 
 
-def buffer_sets(options, training: bool, module: torch.nn.Module,
+def buffer_sets(options, module: torch.nn.Module,
                 training_flags: Dict[str, bool]) -> int:
     """One set of buffers, or one per replica: with
-    ``broadcastBuffers(False)``, and in training when normalisation layers
-    update their running statistics, which each replica keeps for itself as
-    on IPUs (the host sees the first replica's)."""
-    if options.broadcast_buffers and not (
-            training and _running_statistics(module, training_flags)):
+    ``broadcastBuffers(False)``, and when normalisation layers in training
+    mode update their running statistics, which each replica keeps for
+    itself as on IPUs (the host sees the first replica's)."""
+    if options.broadcast_buffers and not _running_statistics(
+            module, training_flags):
         return 1
     return options.replication_factor
 
@@ -101,7 +100,7 @@ def check_buffers_unwritten(module: torch.nn.Module,
              if buffer_names[i] not in statistics]
     if broadcast and names:
         raise Error(
-            f"The model writes to its buffers during training "
+            f"The model writes to its buffers "
             f"({', '.join(names)}) and buffers are broadcast to several "
             "replicas: a broadcast buffer cannot be written by the model. "
             "Set options.broadcastBuffers(False) so that each replica "
@@ -167,13 +166,11 @@ class ReplicaExecution:
 
     @staticmethod
     def choose(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
-               grouped: GroupedWeights, per_replica_buffers: bool
-               ) -> "ReplicaExecution":
+               grouped: GroupedWeights) -> "ReplicaExecution":
         """Pick the path for this model. A vectorised model may still fall
         back to the sequential path when its first step is traced
         (``fall_back``): vmap cannot trace every model."""
-        path, reason = _path_for(layout, analysis, training, grouped,
-                                 per_replica_buffers)
+        path, reason = _path_for(layout, analysis, training, grouped)
         if path == SEQUENTIAL and grouped:
             raise Error(_grouped_needs_vectorised(reason))
         return ReplicaExecution(layout, analysis, grouped, path, reason)
@@ -376,17 +373,12 @@ def _vmap_failures_as_errors() -> Iterator[None]:
 
 
 def _path_for(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
-              grouped: GroupedWeights, per_replica_buffers: bool
-              ) -> Tuple[str, str]:
+              grouped: GroupedWeights) -> Tuple[str, str]:
     if layout.replicas == 1 and not grouped:
         return SINGLE, "one replica"
     if analysis.written_inputs:
         return SEQUENTIAL, ("forward writes to its input tensors in place; "
                             "each replica writes its own slice in turn")
-    if analysis.written_buffers and not per_replica_buffers and not training:
-        return SEQUENTIAL, ("the replicas share buffers that forward writes "
-                            "(broadcastBuffers), so each replica must see "
-                            "the previous replica's writes")
     return VECTORISED, ("the replicas' forward passes run as one batch "
                         "under torch.func.vmap, followed by one backward "
                         "pass" if training else
