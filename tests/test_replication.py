@@ -175,6 +175,21 @@ def test_batchnorm_variants_run_per_replica_without_copies(batch_norm):
         torch.ops.poptorch.replica_batch_norm_backward.default]
 
 
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_cumulative_batchnorm_statistics_update_per_replica(replicas):
+    """BatchNorm with momentum=None: each replica's cumulative average of
+    its own batches (they stayed at 0 and 1 under replication before)."""
+    torch.manual_seed(0)
+    net = NormVariants(momentum=None)
+    twin = copy.deepcopy(net)
+    inputs = make_data(replicas * 8)
+    _, (_, losses) = _train(net, options(replicas=replicas), inputs)
+    buffer_sets = _assert_per_replica_training(net, twin, inputs, replicas,
+                                               losses)
+    assert not torch.equal(buffer_sets[0]["bn.running_mean"],
+                           torch.zeros(6))
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-weight",
                                                       "weight-per-replica"])
 def test_replica_batch_norm_equals_the_kernel_on_each_replica(shared):

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ..cumulative_batch_norm import batch_norm_arguments
+from ..cumulative_batch_norm import CumulativeMomentum, batch_norm_arguments
 from ..replica_stacking import replicas_first
 
 _Stats = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -200,7 +200,11 @@ class _RouteBatchNorm(TorchFunctionMode):
         if func is not torch.nn.functional.batch_norm:
             return func(*args, **kwargs)
         bound = batch_norm_arguments(*args, **kwargs)
-        if not bound["training"]:
+        if not bound["training"] or isinstance(bound["momentum"],
+                                               CumulativeMomentum):
+            # Momentum None: ``CumulativeAverage`` (below) updates the
+            # statistics and normalises without running ones, which comes
+            # back here.
             return func(*args, **kwargs)
         running: List[Optional[Tensor]] = [bound["running_mean"],
                                            bound["running_var"]]
