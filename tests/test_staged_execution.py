@@ -322,6 +322,43 @@ def test_checkpoints_cut_the_stage_into_recomputed_segments(make_strategy):
     assert with_checkpoint * 10 < without
 
 
+class RecomputedBatchNorm(torch.nn.Module):
+    """A BatchNorm after a recomputation checkpoint: its segment is
+    recomputed in the backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("first", ipu_id=0):
+            h = poptorch.recomputationCheckpoint(self.fc1(x) * 3 + 2)
+            h = torch.relu(self.norm(h))
+        with poptorch.Block("second", ipu_id=1):
+            out = self.fc2(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@parametrize_strategies(ANY_BLOCKS)
+def test_recomputed_segments_update_buffers_once(make_strategy):
+    """The recomputation writes a copy of the running statistics: they are
+    updated once per micro-batch, as in PyTorch (twice before)."""
+    torch.manual_seed(0)
+    net = RecomputedBatchNorm()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(1, 4, setExecutionStrategy=make_strategy()),
+        torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = make_data(4 * BATCH)
+    model(x, y)
+    plain_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1), x, y,
+                   1, 4)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
 # --- activations between stages ----------------------------------------------
 
 class Crossing(torch.nn.Module):

@@ -301,7 +301,7 @@ def _undeclared_writes(node: torch.fx.Node) -> List[torch.fx.Node]:
             if isinstance(node.args[p], torch.fx.Node)]
 
 
-def _written_placeholders(graph: torch.fx.Graph) -> List[int]:
+def written_placeholders(graph: torch.fx.Graph) -> List[int]:
     """Indices of the inputs the graph writes to, directly or through views,
     read from the operators' schemas (``Tensor(a!)`` arguments) and from
     ``_UNDECLARED_WRITES``."""
@@ -377,7 +377,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
     with capture_scope(call.module, training_flags) as block_records, \
             losses.recording_mode(training):
         graph = trace_user_code(forward, params + buffers + inputs).graph
-    written = _written_placeholders(graph)
+    written = written_placeholders(graph)
     num_state = len(params) + len(buffers)
     analysis = ModelAnalysis(
         output_spec=found["spec"], output_constants=found["constants"],

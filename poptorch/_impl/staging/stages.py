@@ -32,7 +32,8 @@ from ...enums import ReductionType
 from .. import blocks, losses
 from . import partition
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
-                       split_flat, tensor_outputs, trace_user_code)
+                       split_flat, tensor_outputs, trace_user_code,
+                       written_placeholders)
 from ..optimizers.gradient_reduction import GradientReduction
 from ..profiling.ranges import profile_range
 from ..replication.grouping import GroupedWeights
@@ -303,7 +304,10 @@ class StageModule(torch.nn.Module):
         super().__init__()
         self.index = index
         self.part = staged.stages[index]
-        self.segments = staged.segments[index]
+        self.segments = [_on_copies_of_written(segment.module)
+                         for segment in staged.segments[index]]
+        self._segment_sources = [segment.sources
+                                 for segment in staged.segments[index]]
         self.is_last = index == len(staged.stages) - 1
         self.staged = staged
         self.state = state
@@ -379,15 +383,29 @@ class StageModule(torch.nn.Module):
 
     def _run_segments(self, stage_inputs: List[torch.Tensor]):
         carried: Sequence[torch.Tensor] = ()
-        for segment in self.segments:
-            values = list(carried) + [stage_inputs[i]
-                                      for i in segment.sources]
+        for run, sources in zip(self.segments, self._segment_sources):
+            values = list(carried) + [stage_inputs[i] for i in sources]
             if torch.is_grad_enabled():
                 carried = torch.utils.checkpoint.checkpoint(
-                    segment.module, *values, use_reentrant=False)
+                    run, *values, use_reentrant=False)
             else:
-                carried = segment.module(*values)
+                carried = run(*values)
         return carried
+
+
+def _on_copies_of_written(module: fx.GraphModule):
+    """``module`` run on copies of the inputs it writes in place (a copy of
+    a buffer BatchNorm updates): its recomputation in the backward pass
+    then starts from the values the forward pass started from, and leaves
+    the values that pass returned as they were."""
+    written = set(written_placeholders(module.graph))
+    if not written:
+        return module
+
+    def run(*values: torch.Tensor):
+        return module(*(value.clone() if index in written else value
+                        for index, value in enumerate(values)))
+    return run
 
 
 def _reads_sources_only(node: fx.Node) -> bool:
