@@ -40,6 +40,7 @@ from .names import module_scopes
 from .profiling.ranges import profile_range
 from .recurrent_layers import RecurrentLayersAsOps
 from .signature import flattenable
+from .state_writes import in_place_state_writes
 from .sparse_gradients import use_dense_gradients
 from .weight_sync import host_reads_suspended
 
@@ -203,10 +204,12 @@ class ModelCall:
 
     def _mode_stack(self) -> contextlib.ExitStack:
         """The TorchFunctionModes of a captured forward pass: constants on
-        the device, half/float casting, cumulative BatchNorm averages,
-        recurrent layers without oneDNN and automatic casting."""
+        the device, parameters and buffers replaced by assignment written
+        in place, half/float casting, cumulative BatchNorm averages,
+        recurrent layers as one op per layer and automatic casting."""
         modes = contextlib.ExitStack()
         modes.enter_context(tracing_context.GraphConstants())
+        modes.enter_context(in_place_state_writes())
         modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
         modes.enter_context(CumulativeAverage())
         modes.enter_context(RecurrentLayersAsOps())
