@@ -111,6 +111,21 @@ def test_a_returned_total_of_the_losses_is_what_trains(kind):
     assert_same_weights(net, twin)
 
 
+def _one_step_like_plain_pytorch(make_model):
+    """One training call of a new model on 4 rows: its weights equal plain
+    PyTorch's after the same SGD step (conftest's ``reference_training``
+    reads the loss from the second output)."""
+    torch.manual_seed(0)
+    net, twin = make_model(), make_model()
+    twin.load_state_dict(net.state_dict())
+    x, y = make_data(4)
+    poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))(x, y)
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       (x, y))
+    assert_same_weights(net, twin)
+
+
 def test_a_returned_final_loss_starts_the_backward_pass_beside_others():
     """With the final loss itself returned, a scaled copy of it returned
     for reporting does not replace it."""
@@ -123,15 +138,7 @@ def test_a_returned_final_loss_starts_the_backward_pass_beside_others():
             loss = torch.nn.functional.cross_entropy(self.fc(x), y)
             return 100 * loss, loss
 
-    torch.manual_seed(0)
-    net, twin = Reported(), Reported()
-    twin.load_state_dict(net.state_dict())
-    x, y = make_data(4)
-    poptorch.trainingModel(net, options(), torch.optim.SGD(
-        net.parameters(), lr=0.1))(x, y)
-    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
-                       (x, y))
-    assert_same_weights(net, twin)
+    _one_step_like_plain_pytorch(Reported)
 
 
 class TotalBesideItsParts(torch.nn.Module):
@@ -210,15 +217,7 @@ def test_a_loss_computed_under_no_grad_is_a_metric():
             ce = torch.nn.functional.cross_entropy(out, y)
             return metric, poptorch.identity_loss(ce, "none")
 
-    torch.manual_seed(0)
-    net, twin = WithMetric(), WithMetric()
-    twin.load_state_dict(net.state_dict())
-    x, y = make_data(4)
-    poptorch.trainingModel(net, options(), torch.optim.SGD(
-        net.parameters(), lr=0.1))(x, y)
-    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
-                       (x, y))
-    assert_same_weights(net, twin)
+    _one_step_like_plain_pytorch(WithMetric)
 
 
 def test_model_without_loss_is_an_error(mlp):
