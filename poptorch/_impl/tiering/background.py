@@ -6,8 +6,9 @@ The job is written to a temporary directory (graphs as JSON, constants as
 tensors, the executable keys, the threads the kernels are for) and the
 worker started at a lower priority with one thread. ``poll`` says whether
 it is still running, done or failed (with the end of its error output). A
-process that exits while its worker runs stops it (``atexit``); a worker
-whose parent is gone ends itself. The cache's atomic writes mean a stopped
+process that exits while its worker runs stops it (``atexit``), as does a
+model dropped without ``destroy()`` (``tier_up.py``); a worker whose parent
+is gone ends itself. The cache's atomic writes mean a stopped
 worker leaves no half-written entry.
 """
 import atexit
@@ -23,6 +24,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..graph_format import serialize_graph
+from ..intra_op_threads import give_back_one, lend_one
 
 RUNNING, DONE, FAILED = "running", "done", "failed"
 _ERROR_TAIL = 2000
@@ -59,6 +61,7 @@ class BackgroundCompile:
     def __init__(self, steps: List[StepJob], cache_directory: str,
                  model_name: str, lock: str, kernel_threads: int) -> None:
         self._lock = lock
+        self._lent = False
         self._directory = tempfile.mkdtemp(prefix="poptorch-tier-up-")
         self._write_job(steps, cache_directory, model_name, kernel_threads)
         self._errors = open(os.path.join(self._directory, "stderr"), "w+b")
@@ -101,9 +104,15 @@ class BackgroundCompile:
         text = self._errors.read().decode(errors="replace")[-_ERROR_TAIL:]
         return f"exit status {code}: {text.strip() or 'no output'}"
 
+    def lend_a_thread(self) -> None:
+        """Run this process on one intra-op thread fewer while the worker
+        compiles (if more than one is left); ``stop`` gives it back."""
+        self._lent = lend_one()
+
     def stop(self) -> None:
-        """End the worker (if running), remove the job's files and release
-        the compile lock (``lock``, which this process holds)."""
+        """End the worker (if running), remove the job's files, release
+        the compile lock (``lock``, which this process holds) and give back
+        the lent thread."""
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
@@ -111,6 +120,9 @@ class BackgroundCompile:
         shutil.rmtree(self._directory, ignore_errors=True)
         release(self._lock)
         _running.discard(self)
+        if self._lent:
+            self._lent = False
+            give_back_one()
 
 
 def release(lock: Optional[str]) -> None:

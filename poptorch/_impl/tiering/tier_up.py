@@ -26,6 +26,7 @@ graph tier.
 """
 import os
 import sys
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -35,7 +36,6 @@ from ..backends import get_backend
 from ..distributed.faults import process_exists
 from ..backends.in_place import Donation
 from ..backends.inductor import kernel_threads
-from ..intra_op_threads import give_back_one, lend_one
 from ..executable_cache import (ExecutableCache, entry_key, executable_key,
                                 ENTRY_SUFFIX, load_cached, prepare_directory,
                                 trusted_directory)
@@ -74,7 +74,7 @@ class TieredCompilation:
         self._given_up = False
         self._lock: Optional[str] = None
         self._bar = None
-        self._lent = False
+        self._stop_compile: Optional[weakref.finalize] = None
 
     def add(self, name: str, graph: torch.fx.GraphModule,
             example_inputs: List[torch.Tensor],
@@ -174,7 +174,10 @@ class TieredCompilation:
             release(self._lock)
             self._give_up(f"{type(error).__name__}: {error}")
             return
-        self._lend_a_thread()
+        if lends_a_thread():
+            self._compile.lend_a_thread()
+        # A model dropped without destroy() stops its worker too.
+        self._stop_compile = weakref.finalize(self, self._compile.stop)
         self._progress_start()
         logger.debug("Compiling %s in the background (inductor)",
                      ", ".join(job.name for job in self._jobs))
@@ -212,14 +215,8 @@ class TieredCompilation:
         self._progress_end("stopped")
 
     def _end_compile(self) -> None:
-        self._compile.stop()
+        self._stop_compile()
         self._compile = None
-        if self._lent:
-            give_back_one()
-            self._lent = False
-
-    def _lend_a_thread(self) -> None:
-        self._lent = lends_a_thread() and lend_one()
 
     def _progress_start(self) -> None:
         if self._show_progress:
