@@ -98,6 +98,49 @@ def test_training_keeps_float32_weights_and_updates(checkpointed):
                                    atol=1e-6, rtol=0)
 
 
+class MixedParameters(torch.nn.Module):
+    """float32 and float16 layers with the casts written by hand (the
+    features chapter's third way to use float16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 8).half()
+        self.fc3 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        hidden = torch.tanh(self.fc2(torch.relu(self.fc1(x)).half()))
+        logits = self.fc3(hidden.float())
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("behavior", [
+    poptorch.HalfFloatCastingBehavior.Default,
+    poptorch.HalfFloatCastingBehavior.HalfUpcastToFloat])
+def test_float32_and_float16_parameters_all_train(behavior):
+    """No operation mixes the dtypes, so both casting rules train every
+    parameter as PyTorch does (the backward pass's list of parameters of
+    both dtypes is not cast; it was, and one dtype got no gradients)."""
+    torch.manual_seed(0)
+    net = MixedParameters()
+    twin = copy.deepcopy(net)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+    model = poptorch.trainingModel(
+        net, _half_options(behavior),
+        poptorch.optim.SGD(net.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 4, generator=generator), torch.tensor([0, 1, 2] * 2)
+    for _ in range(3):
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        reference = twin(x, y)[1]
+        reference.backward()
+        optimizer.step()
+        torch.testing.assert_close(loss, reference.detach())
+    for name, value in net.named_parameters():
+        torch.testing.assert_close(value, dict(twin.named_parameters())[name])
+
+
 class Normalised(torch.nn.Module):
     def __init__(self):
         super().__init__()

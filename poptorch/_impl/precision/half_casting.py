@@ -13,10 +13,11 @@ at each torch function call: when its tensors of more than 0 dimensions
 include both float16 and float32 ones, those of the other dtype are cast to
 the chosen one (0-d tensors follow PyTorch's promotion, as Python numbers
 do). Calls that write to a tensor (in-place methods, ``out=``, item
-assignment), that convert types on purpose (``to``, ``type_as``) and batch
+assignment), that convert types on purpose (``to``, ``type_as``), batch
 normalisation (its float32 running statistics are updated in place; PyTorch
-already runs a float16 input with float32 statistics and weights) are left
-as they are.
+already runs a float16 input with float32 statistics and weights) and the
+backward pass (``torch.autograd.grad`` over parameters of both dtypes: cast
+copies would get no gradients) are left as they are.
 """
 import torch
 from torch.overrides import TorchFunctionMode
@@ -30,7 +31,7 @@ LEFT_AS_THEY_ARE = frozenset({
     torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.type,
     torch.Tensor.__setitem__, torch.nn.functional.batch_norm,
     torch.nn.functional.instance_norm, torch.batch_norm,
-    torch.instance_norm,
+    torch.instance_norm, torch.autograd.grad, torch.autograd.backward,
 })
 
 
