@@ -146,7 +146,11 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
                    if option not in _SWITCHES]
     options, program, ignored = poprun_options.split_ignored(
         argv, takes_value, _SWITCHES)
-    return command.parse_args(options + program), ignored
+    arguments = command.parse_args(options)
+    # The program's own arguments are its own, even where they read as an
+    # abbreviation of a poprun option (--n, --master).
+    arguments.program = program[1:] if program[:1] == ["--"] else program
+    return arguments, ignored
 
 
 def check_arguments(arguments: argparse.Namespace) -> None:

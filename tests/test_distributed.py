@@ -3,15 +3,17 @@ checks and faults. The multi-process tests start real processes (gloo on
 the CPU) and are marked slow."""
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 import poptorch
-from poptorch._impl.distributed import consistency
+from poptorch._impl.distributed import consistency, faults
 from poptorch._impl.distributed.environment import ProcessEnvironment
 from poptorch.run import main as poprun
 from poptorch.run import parse as parse_poprun, topology
@@ -209,6 +211,16 @@ def test_launcher_shows_one_instances_output_and_sets_the_cache(tmp_path):
     assert "--vipu-partition has no effect here" in result.stderr
 
 
+@pytest.mark.parametrize("separator", [[], ["--"]])
+def test_the_programs_arguments_reach_it_unchanged(separator):
+    """Even those that read as an abbreviated poprun option."""
+    program = ["train.py", "--n", "100", "--master", "a", "--num", "2"]
+    arguments, _ = parse_poprun(["--num-instances", "2", "--num-replicas",
+                                 "2", *separator, *program])
+    assert arguments.program == program
+    assert (arguments.num_instances, arguments.num_replicas) == (2, 2)
+
+
 def test_launcher_rejects_non_positive_counts(capsys):
     with pytest.raises(SystemExit) as stopped:
         poprun(["--num-instances", "0", "--num-replicas", "2", "x.py"])
@@ -258,6 +270,45 @@ def test_the_others_stop_naming_a_failed_process(tmp_path, how, reason):
     assert "poptorch.errors.Error: Distributed run: " + reason in err
     assert "Process 0 of 2 stops" in err
     assert time.monotonic() - start < 60
+
+
+def _monitor_of_process_0(monkeypatch, peer_pid):
+    """Process 0's monitor of a two-process run whose process 1 (``peer_pid``
+    on this host) has started no collective operation."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    store = torch.distributed.HashStore()
+    store.set("host/1", f"{socket.gethostname()} {peer_pid}")
+    monitor = faults.FaultMonitor(store, 0, 2, timeout=30.0,
+                                  hosts_store=False)
+    monitor._stopped.set()                   # no heartbeat thread needed
+    return monitor, monitor.start()
+
+
+def test_a_peer_killed_before_a_collective_is_named_not_a_timeout(
+        monkeypatch):
+    """The backend reports the lost connection a moment before the peer's
+    end can be seen; it had not started the operation, but it died."""
+    peer = subprocess.Popen([sys.executable, "-c",
+                             "import time; time.sleep(60)"])
+    monitor, sequence = _monitor_of_process_0(monkeypatch, peer.pid)
+    killer = threading.Timer(0.5, lambda: (peer.kill(), peer.wait()))
+    killer.start()
+    error = monitor._explain("the gradient all-reduce",
+                             RuntimeError("Connection reset by peer"),
+                             sequence, started=time.monotonic())
+    killer.join()
+    assert "process 1 died" in str(error)
+    assert "timed out" not in str(error)
+
+
+def test_a_peer_that_never_starts_a_collective_is_named_at_the_timeout(
+        monkeypatch):
+    monitor, sequence = _monitor_of_process_0(monkeypatch, os.getpid())
+    error = monitor._explain("the gradient all-reduce",
+                             RuntimeError("Timed out waiting"), sequence,
+                             started=time.monotonic() - 30.0)
+    assert ("the gradient all-reduce timed out after 30 s on process 0: "
+            "process(es) 1 did not start it") in str(error)
 
 
 @pytest.mark.slow

@@ -211,38 +211,49 @@ class FaultMonitor:
         not ``collective`` (one process asking another, which every process
         does not do) is not counted among the collectives started."""
         sequence = self.start() if collective else None
+        started = time.monotonic()
         try:
             yield
         except RuntimeError as error:
-            raise self._explain(what, error, sequence) from error
+            raise self._explain(what, error, sequence, started) from error
 
     def wait(self, work, what: str, sequence: int, blocking: bool) -> None:
         """Wait for a torch.distributed ``Work`` (async collective).
         ``blocking``: the backend itself fails the operation when a peer
         disconnects or the run's timeout passes (gloo), so wait in it,
         which is quickest; otherwise (NCCL) poll it and check the peers."""
+        started = time.monotonic()
         if not blocking:
             self.wait_until(work.is_completed, what, sequence)
         try:
             work.wait()
         except Exception as error:
-            raise self._explain(what, error, sequence) from error
+            raise self._explain(what, error, sequence, started) from error
 
-    def _explain(self, what: str, error: Exception, sequence: int) -> Error:
-        """The error of a failed collective, naming the failed peer once
-        it is known (at most ``STALE_AFTER`` seconds)."""
+    def _explain(self, what: str, error: Exception, sequence: Optional[int],
+                 started: float) -> Error:
+        """The error of a collective that failed after waiting since
+        ``started``, naming the failed peer once it is known (at most
+        ``STALE_AFTER`` seconds). A peer that has not started the
+        operation is named as the cause only when the wait lasted the
+        run's timeout: a peer killed before it started looks the same
+        until its end is seen."""
+        timed_out = time.monotonic() - started >= self._timeout
         deadline = time.monotonic() + self._stale_after + 1.0
         while time.monotonic() < deadline:
             failed = self._checked(what)
             if failed:
                 return self._failure(what, failed)
-            if self._processes_behind(sequence):
+            if timed_out and self._processes_behind(sequence):
                 return self._timeout_error(what, sequence)
             time.sleep(_CHECK_INTERVAL)
         logger.debug("Collective failure without a known failed peer: %s",
                      error)
+        behind = self._processes_behind(sequence)
+        not_started = (f"; process(es) {', '.join(map(str, behind))} had not "
+                       "started it" if behind else "")
         return Error(f"Distributed run: {what} failed on process "
-                     f"{self._rank}: {error}")
+                     f"{self._rank}: {error}{not_started}")
 
 
 def process_exists(pid: int) -> bool:
