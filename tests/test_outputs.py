@@ -152,3 +152,38 @@ def test_every_n_needs_a_dividing_period(mlp):
         mlp, options(4, outputMode=(poptorch.OutputMode.EveryN, 3)))
     with pytest.raises(poptorch.Error, match="multiple of 3"):
         model(make_data(8)[0])
+
+
+class PassThrough(torch.nn.Module):
+    """Returns its labels and its weight beside the loss, as programs
+    collecting ids or inspecting a layer did."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        return out, y, self.fc.weight, torch.nn.functional.cross_entropy(
+            out, y)
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("mode", [poptorch.OutputMode.All,
+                                  poptorch.OutputMode.Final])
+def test_outputs_handing_back_inputs_or_weights_are_copies(training, mode):
+    """An IPU sends copies back: writing to the inputs later (a data
+    loader's ring buffer reuses them) or to an output leaves the other
+    alone."""
+    opts = options(outputMode=mode)
+    net = PassThrough()
+    model = (poptorch.trainingModel(net, opts) if training
+             else poptorch.inferenceModel(net, opts))
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    _, labels, weight, _ = model(x, y)
+    weight_before = model.fc.weight.detach().clone()
+    y += 10
+    torch.testing.assert_close(labels, torch.tensor([0, 2]))
+    weight.zero_()
+    model.copyWeightsToHost()
+    torch.testing.assert_close(model.fc.weight.detach(), weight_before)

@@ -328,17 +328,21 @@ class CompiledModel:
             state.params[index] = tensor
         state.optimizer = training.location.to_host(loop_state.optimizer)
 
-    def shape_outputs(self, tensors: List[torch.Tensor]):
+    def shape_outputs(self, tensors: List[torch.Tensor],
+                      host_inputs: List[torch.Tensor]):
         """The call's output tensors on the host, in the structure
-        ``forward`` returned."""
+        ``forward`` returned. Each is a tensor of its own, as the copies
+        an IPU sends back are: an output that hands back an input (an id
+        passed through, which a data loader's ring buffer overwrites with
+        later batches) or a weight is copied."""
         with profile_range("device to host"):
             host = [t.to("cpu") if t.device.type != "cpu" else t
                     for t in tensors]
+        taken = _storages(host_inputs, self.state)
+        host = [t.clone() if t.untyped_storage().data_ptr() in taken else t
+                for t in host]
         if self.spec.training:
             host = as_training_outputs(host)
-        else:
-            host = [t.clone() if _aliases_state(t, self.state) else t
-                    for t in host]
         values = iter(host)
         leaves = [next(values) if isinstance(constant, TensorLeaf)
                   else constant
@@ -459,10 +463,11 @@ def _compile_training(spec: ModelSpec, inputs: CompileInputs,
                           processes.group is not None)
 
 
-def _aliases_state(tensor: torch.Tensor, state: DeviceState) -> bool:
-    pointer = tensor.untyped_storage().data_ptr()
-    return any(pointer == t.untyped_storage().data_ptr()
-               for t in state.params + state.buffers[0])
+def _storages(host_inputs: List[torch.Tensor], state: DeviceState) -> set:
+    """The storages of the call's inputs and of the model's weights and
+    first replica's buffers, which outputs must not share."""
+    return {t.untyped_storage().data_ptr()
+            for t in host_inputs + state.params + state.buffers[0]}
 
 
 def _autocast_policy(precision) -> Optional[Policy]:
