@@ -220,6 +220,22 @@ def test_a_loss_computed_under_no_grad_is_a_metric():
     _one_step_like_plain_pytorch(WithMetric)
 
 
+def test_a_loss_no_output_uses_is_dead_code():
+    """Computed and never used, beside the returned loss: PopTorch's graph
+    leaves it out, so it is not a second final loss."""
+    class WithUnusedLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            torch.nn.functional.cross_entropy(out, y, reduction="none")
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+    _one_step_like_plain_pytorch(WithUnusedLoss)
+
+
 def test_model_without_loss_is_an_error(mlp):
     model = poptorch.trainingModel(torch.nn.Linear(4, 2), options())
     with pytest.raises(poptorch.Error, match="no loss"):

@@ -2,7 +2,8 @@
 "Losses in training"), found in the analysis trace's graph.
 
 The recorded losses (``losses.py``) that feed no other recorded loss are
-the final losses. The backward pass starts from the single-element tensor
+the final losses; of those, the ones that no returned tensor uses are left
+out when another is used. The backward pass starts from the single-element tensor
 ``forward`` returns that is the model's total loss, as ``total.backward()``
 would in PyTorch, when there is one; else from the final loss (several
 unrelated final losses are an error).
@@ -57,6 +58,16 @@ def final_losses(loss_nodes: List[Node]) -> List[Node]:
     distinct = set(loss_nodes)
     return list(dict.fromkeys(
         node for node in loss_nodes if not descendants(node) & distinct))
+
+
+def used_losses(finals: List[Node], returned: List[Node]) -> List[Node]:
+    """The final losses whose value reaches a returned tensor, when any
+    does: a loss computed and never used (``unused = ce(logits, y)``) is
+    dead code, which PopTorch's traced graph leaves out."""
+    outputs = set(returned)
+    used = [node for node in finals
+            if node in outputs or descendants(node) & outputs]
+    return used or finals
 
 
 def _single_element(node: Node) -> bool:

@@ -346,7 +346,8 @@ def _choose_backward_start(analysis: ModelAnalysis,
     """Set where the backward pass starts (a returned total, else the one
     final loss) and return its node. ``places``: the user's line of each
     recorded loss."""
-    finals = backward_start.final_losses(loss_nodes)
+    finals = backward_start.used_losses(
+        backward_start.final_losses(loss_nodes), returned)
     analysis.loss_output = backward_start.returned_total(returned, finals)
     if analysis.loss_output is not None:
         return returned[analysis.loss_output]
