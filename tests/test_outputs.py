@@ -154,6 +154,33 @@ def test_every_n_needs_a_dividing_period(mlp):
         model(make_data(8)[0])
 
 
+class WithIds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y, ids):
+        return ids, torch.nn.functional.cross_entropy(self.fc(x), y)
+
+
+def test_every_n_in_training_returns_whole_device_iterations():
+    """D = 4, G = 2, N = 2: every micro-batch of device iterations 1 and 3
+    (micro-batches 2, 3, 6, 7 of two rows each), in [D, G] order."""
+    model = poptorch.trainingModel(WithIds(), options(
+        4, accumulation=2, outputMode=(poptorch.OutputMode.EveryN, 2)))
+    x, y = make_data(16)
+    ids, losses = model(x, y, torch.arange(16))
+    assert ids.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert losses.shape == (4,)
+
+
+def test_every_n_needs_a_period_dividing_the_device_iterations(mlp):
+    model = poptorch.trainingModel(mlp, options(
+        1, accumulation=4, outputMode=(poptorch.OutputMode.EveryN, 2)))
+    with pytest.raises(poptorch.Error, match="deviceIterations = 1"):
+        model(*make_data(8))
+
+
 class PassThrough(torch.nn.Module):
     """Returns its labels and its weight beside the loss, as programs
     collecting ids or inspecting a layer did."""

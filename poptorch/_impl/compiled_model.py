@@ -117,8 +117,7 @@ class CompiledModel:
         check_layout(layout)
         check_return_period(
             resolve_output_mode(spec.options.output_mode, spec.training),
-            spec.options.output_return_period,
-            layout.device_iterations * layout.gradient_accumulation)
+            spec.options.output_return_period, layout.device_iterations)
         module, device = spec.module, session.device
         with weight_sync.host_reads_suspended():
             sets = buffer_sets(spec.options, module, spec.training_flags)
@@ -298,7 +297,8 @@ class CompiledModel:
         collector = self.session.anchors.collector(
             OutputCollector(self.output_mode,
                             self.spec.options.output_return_period,
-                            iterations, layout.replicas),
+                            iterations, layout.replicas,
+                            layout.gradient_accumulation),
             self.output_mode, training, iterations, layout.replicas)
         if timer is not None:
             collector = timer.collector(collector)

@@ -314,9 +314,10 @@ class Anchors:
                 per_update[short] = OutputCollector(
                     mode, period, iterations // self.accumulation, replicas)
             else:
-                check_return_period(mode, period, iterations)
-                every_step[short] = OutputCollector(mode, period, iterations,
-                                                    replicas)
+                check_return_period(mode, period,
+                                    iterations // self.accumulation)
+                every_step[short] = OutputCollector(
+                    mode, period, iterations, replicas, self.accumulation)
         return AnchoredCollector(base, every_step, per_update,
                                  self.accumulation, self)
 

@@ -23,25 +23,30 @@ def resolve_output_mode(mode: OutputMode, training: bool) -> OutputMode:
 
 
 def check_return_period(mode: OutputMode, period: int,
-                        iterations: int) -> None:
-    """EveryN needs the D x G iterations of a call to be a multiple of N."""
-    if mode == OutputMode.EveryN and iterations % period:
+                        device_iterations: int) -> None:
+    """EveryN needs the D device iterations of a call to be a multiple of
+    N (as PopART's return period must divide its batches per step)."""
+    if mode == OutputMode.EveryN and device_iterations % period:
         raise Error(
-            f"outputMode(EveryN, {period}) returns every {period}th "
-            f"iteration, but a call runs deviceIterations x "
-            f"gradientAccumulation = {iterations} iterations, which is not "
-            f"a multiple of {period}")
+            f"outputMode(EveryN, {period}) returns the outputs of every "
+            f"{period}th device iteration, but a call runs deviceIterations "
+            f"= {device_iterations}, which is not a multiple of {period}")
 
 
 class OutputCollector:
-    """Collects one call's outputs for ``iterations`` x ``replicas`` steps."""
+    """Collects one call's outputs for ``iterations`` x ``replicas`` steps,
+    ``accumulation`` micro-batch steps per device iteration. EveryN keeps
+    every micro-batch of device iterations N - 1, 2 N - 1, ... (PopART's
+    return period counts batches per step; an anchor's shape has the
+    accumulation dimension)."""
 
     def __init__(self, mode: OutputMode, period: int, iterations: int,
-                 replicas: int) -> None:
+                 replicas: int, accumulation: int = 1) -> None:
         self.mode = mode
         self.period = period
         self.iterations = iterations
         self.replicas = replicas
+        self.accumulation = accumulation
         self._kept: List[List[torch.Tensor]] = []
         self._sums: List[Optional[List[torch.Tensor]]] = [None] * replicas
 
@@ -50,7 +55,7 @@ class OutputCollector:
         if self.mode in (OutputMode.All, OutputMode.Sum):
             return True
         if self.mode == OutputMode.EveryN:
-            return (iteration + 1) % self.period == 0
+            return (iteration // self.accumulation + 1) % self.period == 0
         return iteration == self.iterations - 1
 
     def add(self, iteration: int, replica: int,
