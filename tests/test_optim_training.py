@@ -669,6 +669,20 @@ def test_another_optimizer_family_is_an_error_naming_both(mlp):
     assert_snapshot_equal(model, before)
 
 
+def test_sgd_momentum_leaving_zero_is_an_error_saying_why(mlp):
+    """Compiled with momentum 0, SGD is the simple variant: no velocity to
+    give a new momentum."""
+    optimizer = P.SGD(mlp.parameters(), lr=0.1, momentum=0.0)
+    model = poptorch.trainingModel(mlp, options(2), optimizer)
+    run_calls(model, 0, 1, rows=4)
+    before = snapshot(model)
+    optimizer.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(poptorch.Error, match=r"param group 0's SGD momentum "
+                       r"changed from 0.0 to 0.9 .* keeps no velocity"):
+        model.setOptimizer(optimizer)
+    assert_snapshot_equal(model, before)
+
+
 def test_mark_as_variable_before_compiling_makes_it_changeable(pair):
     mlp, twin = pair
     optimizer = P.SGD(mlp.parameters(), lr=0.1, momentum=0.9)

@@ -13,7 +13,8 @@ with ``phi(z) = min(z, max_weight_norm)`` (no clamping when
 ``max_weight_norm`` is None) and a trust ratio of 1 when ``phi(||w||)`` or
 ``||u||`` is 0, so that ``max_weight_norm=0`` (which may differ between
 param groups) turns the layer-wise adaptation off.
-PopTorch's default is the biased version (no bias correction).
+``poptorch.optim.LAMB`` corrects the bias by default (``optim.py`` says
+why); ``bias_correction=False`` gives the biased version.
 """
 import functools
 from typing import Any, Dict, List, Mapping, Optional, Tuple

@@ -273,6 +273,25 @@ def _families(plan: OptimizerPlan) -> str:
                              for group in plan.groups}))
 
 
+def _check_sgd_momentum_kept(old: OptimizerPlan,
+                             new: OptimizerPlan) -> None:
+    """Raise when an SGD group's momentum went from 0 to another value or
+    back: the compiled update keeps a velocity or does not."""
+    for index, (before, now) in enumerate(zip(old.groups, new.groups)):
+        if (isinstance(before.rule, sgd.SGDRule)
+                and isinstance(now.rule, sgd.SGDRule)
+                and before.rule.momentum != now.rule.momentum):
+            raise Error(
+                f"setOptimizer: param group {index}'s SGD momentum changed "
+                f"from {before.hyper.get('momentum', 0.0)} to "
+                f"{now.hyper.get('momentum', 0.0)} after the model was "
+                "compiled. SGD with momentum 0 is compiled as the simple "
+                "variant, which keeps no velocity, and SGD with momentum "
+                "keeps one: give the optimizer a non-zero momentum before "
+                "compiling if it will change, or call destroy() and compile "
+                "again.")
+
+
 def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
     """``setOptimizer``: raise unless ``new`` differs from ``old`` in
     variable values only."""
@@ -304,6 +323,7 @@ def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
                   f"({sorted(old.variable_globals)} at compilation, now "
                   f"{sorted(new.variable_globals)})")
     elif old.structure() != new.structure():
+        _check_sgd_momentum_kept(old, new)
         detail = "the optimizer type or its parameter groups"
     else:
         return
