@@ -53,6 +53,16 @@ def test_changed_arguments_after_compile(trained, bad_call, match):
     assert_unchanged(model, snapshot)
 
 
+def test_an_incomplete_last_batch_names_the_multiple_after_compile(mlp):
+    """A data loader's last batch of fewer rows (drop_last=False): the
+    error says why the rows cannot be cut into the call's micro-batches."""
+    model = poptorch.inferenceModel(mlp, options(4))
+    model(make_data(8)[0])
+    with pytest.raises(poptorch.Error, match=r"5 rows in dimension 0, which "
+                       r"is not a multiple of deviceIterations \(4\)"):
+        model(make_data(5)[0])
+
+
 def test_non_tensor_argument_change_is_an_error():
     class Scaled(torch.nn.Module):
         def forward(self, x, scale):

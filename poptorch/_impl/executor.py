@@ -228,7 +228,12 @@ class PoplarExecutor(CompiledExecutionMethods):
     def _check_still_valid(self, call: CallArguments) -> None:
         """Before a call of a compiled model: the same argument structure,
         parameters and sub-modules as compiled; a change of
-        ``requires_grad`` is reported once."""
+        ``requires_grad`` is reported once. Rows that do not fill the
+        call's micro-batches are reported as such (an incomplete last
+        batch of a data loader)."""
+        layout = self._compiled.layout
+        for position in call.tensor_positions():
+            layout.check(call.paths[position], call.leaves[position])
         self._compiled.signature.check(call)
         if self._sync.structure != self._structure:
             raise Error(
