@@ -1,6 +1,7 @@
 """PopTorch ops (API reference 11.3) and poptorch.profiling.Channel (11.2)."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -396,25 +397,94 @@ def test_multi_conv_rejects_bad_values(build, message):
 
 
 class WithCpuOp(torch.nn.Module):
+    """The API reference's example, with a host function that reads values
+    and uses NumPy, as only the host can, and counts its runs."""
+
     def __init__(self) -> None:
         super().__init__()
         self.cpu = ops.CPU(self.my_cpu_op, "MyCPUOp")
+        self.sort = ops.CPU(self.numpy_sort, "Sort")
+        self.runs = 0
 
     def my_cpu_op(self, x):
+        self.runs += 1
         return x * 2.0
 
+    @staticmethod
+    def numpy_sort(x, descending):
+        order = np.sort(x.numpy(), axis=-1)
+        scale = float(x.abs().max().item()) or 1.0
+        return torch.from_numpy(order[..., ::-1].copy() if descending
+                                else order) / scale
+
     def forward(self, x):
-        return self.cpu(self.cpu(self.cpu(x)))
+        return self.sort(self.cpu(self.cpu(self.cpu(x))), descending=True)
 
 
-def test_cpu_op_runs_its_function_inline():
+def test_cpu_op_is_a_plain_call_outside_a_model():
     model = WithCpuOp()
-    x = torch.tensor([1.0, -2.0])
-    assert torch.equal(model(x), x * 8)
-    graph = trace(model, x)
-    assert torch.equal(graph(x), x * 8)
+    x = torch.tensor([[1.0, -2.0, 0.5]])
+    assert torch.equal(model(x), torch.tensor([[0.5, 0.25, -1.0]]))
     assert model.cpu.execute() is None
     assert model.cpu.registerPersistentData() is None
+
+
+@pytest.mark.parametrize("device_iterations, replicas", [(1, 1), (3, 2)])
+def test_cpu_op_runs_on_the_host_at_every_step(device_iterations, replicas):
+    """Each call runs the function D x R times per op on real tensors
+    (three ops here), after the runs that learnt its shapes at compile."""
+    net = WithCpuOp()
+    opts = poptorch.Options().deviceIterations(device_iterations)
+    opts.replicationFactor(replicas)
+    model = poptorch.inferenceModel(net, opts)
+    rows = device_iterations * replicas * 2
+    for seed in range(2):
+        x = torch.randn(rows, 5, generator=torch.Generator().manual_seed(seed))
+        expected = torch.cat([WithCpuOp()(part) for part in x.split(2)])
+        torch.testing.assert_close(model(x), expected)
+        if seed == 0:
+            runs = net.runs
+    assert net.runs - runs == 3 * device_iterations * replicas
+
+
+def test_cpu_op_results_must_keep_their_shapes():
+    class Growing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cpu = ops.CPU(lambda x: x[x > 0], "Positive")
+
+        def forward(self, x):
+            return self.cpu(x)
+
+    model = poptorch.inferenceModel(Growing())
+    with pytest.raises(Error, match=r"'Positive' returned \[2\] float32, but "
+                       r"the model was compiled for \[0\] float32"):
+        model(torch.tensor([1.0, 2.0, -1.0]))
+
+
+def test_cpu_op_in_training_is_traced_inline():
+    """Gradients flow through it (PopTorch allowed CPU ops in inference
+    only): the update is plain PyTorch's."""
+    class Trained(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.cpu = ops.CPU(lambda x: x * 2.0, "Double")
+
+        def forward(self, x, y):
+            out = self.cpu(self.fc(x))
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+    torch.manual_seed(0)
+    net = Trained()
+    twin = copy.deepcopy(net)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    poptorch.trainingModel(net, optimizer=torch.optim.SGD(
+        net.parameters(), lr=0.1))(x, y)
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       (x, y))
+    for name, value in net.state_dict().items():
+        torch.testing.assert_close(value, twin.state_dict()[name])
 
 
 def test_cpu_op_checks_its_arguments():

@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from ..enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from ..errors import Error
-from . import blocks, ctc_decoder, graphcore_ops
+from . import blocks, ctc_decoder, graphcore_ops, host_callbacks
 from .logger import info_once
 
 
@@ -635,11 +635,13 @@ class CPU:
     >>> self.cpu = poptorch.CPU(self.myCpuOp, "MyCPUOp")
     >>> out = self.cpu(x)   # arguments are forwarded to myCpuOp
 
-    On an IPU the function ran on the host while the graph waited. On the
-    devices this implementation targets the host and the device share the
-    same PyTorch, so the function runs inline: it is traced into the graph
-    like the rest of the model, and must therefore be written with PyTorch
-    operations on its tensor arguments.
+    As on an IPU, in an inference model the function runs on the host with
+    the op's real tensors each time the op runs (it may read values, use
+    NumPy or log); it also runs while the model is compiled, to learn the
+    shapes of its results, which must not change (``host_callbacks.py``).
+    Where gradients flow through the op (training, which PopTorch did not
+    allow) it is traced inline like the rest of the model. Outside a
+    poptorch model it is a plain call.
     """
 
     def __init__(self, layer_to_call: Callable, ID: str) -> None:
@@ -652,17 +654,21 @@ class CPU:
         self._id = ID
 
     def __call__(self, *args, **kwargs):
+        if (host_callbacks.capturing(args, kwargs)
+                and not host_callbacks.needs_gradients(args, kwargs)):
+            return host_callbacks.call_on_host(self._id, self._layer_to_call,
+                                               args, kwargs)
         return self._layer_to_call(*args, **kwargs)
 
     def execute(self) -> None:
         """Implementation detail of IPU host callbacks, kept for
-        compatibility. Does nothing: the function already ran inline when
-        the op was called."""
+        compatibility. Does nothing: the graph's host callback operation
+        runs the function."""
 
     def registerPersistentData(self) -> None:
         """Implementation detail of IPU host callbacks (registering the host
         buffers they read and write), kept for compatibility. Does nothing:
-        inline calls need no buffers."""
+        the host callback operation passes the tensors itself."""
 
 
 def _torch_operation(name: str, domain: str):

@@ -34,6 +34,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .replica_stacking import per_replica_rule
+
 _RECURRENT: Dict[Callable, str] = {
     torch.lstm: "lstm", torch.gru: "gru", torch.rnn_tanh: "rnn_tanh",
     torch.rnn_relu: "rnn_relu"}
@@ -147,33 +149,7 @@ def _backward(ctx, grads):
 
 
 recurrent_layer.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _replica(value, dim, index: int):
-    """Replica ``index`` of an argument batched along ``dim`` (lists of
-    tensors with a list of dims; unbatched values as they are)."""
-    if isinstance(value, (list, tuple)):
-        dims = dim if isinstance(dim, (list, tuple)) else [dim] * len(value)
-        return [_replica(item, item_dim, index)
-                for item, item_dim in zip(value, dims)]
-    if dim is None:
-        return value
-    return value.select(dim, index)
-
-
-def _per_replica(op):
-    """A vmap rule running ``op`` once per replica and stacking its list of
-    outputs along dimension 0."""
-    def rule(info, in_dims, *args):
-        results = [op(*(_replica(value, dim, index)
-                        for value, dim in zip(args, in_dims)))
-                   for index in range(info.batch_size)]
-        stacked = [torch.stack(outputs) for outputs in zip(*results)]
-        return stacked, [0] * len(stacked)
-    return rule
-
-
-recurrent_layer.register_vmap(_per_replica(recurrent_layer))
+recurrent_layer.register_vmap(per_replica_rule(recurrent_layer))
 
 
 def _layer_slices(items: Sequence[Tensor], layers: int) -> List[List[Tensor]]:
