@@ -15,6 +15,7 @@ import torch
 import poptorch
 from poptorch._impl.distributed import consistency, faults
 from poptorch._impl.distributed.environment import ProcessEnvironment
+from poptorch._impl.optimizers.plan import plan_optimizer
 from poptorch.run import main as poprun
 from poptorch.run import parse as parse_poprun, topology
 from conftest import free_port
@@ -84,6 +85,21 @@ def test_differences_name_each_setting_and_the_processes_values():
         "model.input 0: [[4, 3], \"torch.float32\"] on process 0, "
         "[[4, 5], \"torch.float32\"] on process 1",
         "options.device_iterations: 1 on process 0, 2 on process 1"]
+
+
+def test_differences_name_the_optimizer_settings():
+    """Processes updating with different learning rates would drift apart
+    without a word."""
+    weight = torch.nn.Parameter(torch.zeros(3, 2))
+    plans = [plan_optimizer(poptorch.optim.SGD([weight], lr=lr, momentum=0.9),
+                            [weight]) for lr in (0.1, 0.2)]
+    names = {"parameter": ["w"]}
+    mine, theirs = (consistency.describe(poptorch.Options(), names,
+                                         {"parameter": [weight]}, plan)
+                    for plan in plans)
+    assert consistency.differences([mine, mine]) == []
+    assert consistency.differences([mine, theirs]) == [
+        "optimizer.group 0.lr: 0.1 on process 0, 0.2 on process 1"]
 
 
 class _GroupedModel(torch.nn.Module):

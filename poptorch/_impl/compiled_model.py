@@ -438,7 +438,8 @@ def _compile_training(spec: ModelSpec, inputs: CompileInputs,
 
     settings = settings_for(engine.step_replicas(layout))
     processes = distributed.start_training(options, state, inputs.micro,
-                                           bool(inputs.replicas.grouped))
+                                           bool(inputs.replicas.grouped),
+                                           spec.plan)
     host_params = [spec.host_params[i] for i in training.trainable]
     placement = processes.shard(options, host_params, stage_per_process,
                                 engine.runs_stages)

@@ -104,11 +104,12 @@ def stage_processes(options) -> int:
 
 
 def start_training(options, state, micro: List[torch.Tensor],
-                   grouped: bool) -> TrainingProcesses:
-    """For a training model compiled with ``options`` from the device
-    ``state`` (weights and buffers) and the example micro-batch ``micro``:
-    in an n-process run, join the run, check that every process compiles
-    the same model, and start from process 0's weights and buffers (the
+                   grouped: bool, optimizer_plan) -> TrainingProcesses:
+    """For a training model compiled with ``options`` and ``optimizer_plan``
+    from the device ``state`` (weights and buffers) and the example
+    micro-batch ``micro``: in an n-process run, join the run, check that
+    every process compiles the same model with the same optimizer
+    settings, and start from process 0's weights and buffers (the
     optimizer state follows, through ``TrainingProcesses.shard``'s
     placement)."""
     environment = ProcessEnvironment.from_options(options)
@@ -126,7 +127,7 @@ def start_training(options, state, micro: List[torch.Tensor],
                "input": micro}
     consistency.check_same_everywhere(
         group, f"model{next(_compilations)}",
-        consistency.describe(options, names, tensors))
+        consistency.describe(options, names, tensors, optimizer_plan))
     group.broadcast_(state.params + [b for buffers in state.buffers
                                      for b in buffers],
                      "the start-up weight broadcast")

@@ -3,7 +3,8 @@ same options.
 
 Each process writes a description of what it compiles (``opts.toDict()``
 without ``Distributed.processId``, the parameters' and buffers' names,
-shapes and dtypes, the micro-batch's shapes and dtypes) to the rendezvous
+shapes and dtypes, the micro-batch's shapes and dtypes, a training
+model's optimizer settings) to the rendezvous
 store, waits for all the others' and compares. Every process computes the
 same comparison, so a mismatch raises the same ``poptorch.Error`` on every
 process, naming each difference and the processes' values.
@@ -20,9 +21,14 @@ _MAX_LISTED = 10
 
 
 def describe(options, names: Dict[str, List[str]],
-             tensors: Dict[str, List[torch.Tensor]]) -> Dict[str, Any]:
-    """The description of one compiled model: the options and, per kind
-    ("parameter", "buffer", "input"), name -> [shape, dtype]."""
+             tensors: Dict[str, List[torch.Tensor]],
+             optimizer=None) -> Dict[str, Any]:
+    """The description of one compiled model: the options, per kind
+    ("parameter", "buffer", "input"), name -> [shape, dtype], and the
+    optimizer's plan (``optimizers/plan.py``), if any: each group's rule,
+    constants, parameters and hyper-parameter values, loss scaling and
+    clipping (processes updating with different ones would drift apart
+    silently)."""
     settings = options.toDict()
     settings["Distributed"] = {
         key: value for key, value in settings["Distributed"].items()
@@ -31,7 +37,21 @@ def describe(options, names: Dict[str, List[str]],
     for kind, values in tensors.items():
         for name, tensor in zip(names[kind], values):
             model[f"{kind} {name}"] = [list(tensor.shape), str(tensor.dtype)]
-    return {"options": settings, "model": model}
+    description = {"options": settings, "model": model}
+    if optimizer is not None:
+        description["optimizer"] = _optimizer_description(optimizer)
+    return description
+
+
+def _optimizer_description(plan) -> Dict[str, Any]:
+    groups = {f"group {index}": {"rule": type(group.rule).__name__,
+                                 "constants": repr(group.rule.constants),
+                                 "parameters": list(group.indices),
+                                 **group.hyper}
+              for index, group in enumerate(plan.groups)}
+    return {**groups, "loss_scaling": plan.loss_scaling,
+            "max_grad_norm": plan.max_grad_norm,
+            "accumulation dtype": repr(plan.accum_dtype)}
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
