@@ -14,7 +14,10 @@ batches of the next epoch are already loaded when it begins; with ``False``
 it loads an epoch only when an iterator asks for it. ``early_preload=True``
 starts loading the first epoch when the accessor is built instead of at the
 first ``iter()``. Calling ``iter()`` again before an epoch is finished starts
-a new epoch from its beginning, as with a torch ``DataLoader``.
+a new epoch from its beginning, as with a torch ``DataLoader``. Loading
+ahead does not change the data: the epochs of a shuffling ``DataLoader``
+come in the same orders as from the ``DataLoader`` itself, whether each
+epoch is read to its end or left early (see ``worker``).
 
 The worker stops on ``terminate()``, when the accessor is garbage collected,
 at interpreter exit and when the parent process dies.
@@ -96,6 +99,7 @@ class AsynchronousDataAccessor:
         self._worker = _WorkerHandle(source, config, strategy)
         self._reader = SlotReader(buffer_size)
         self._generation = 0
+        self._epoch_index = 0
         self._epoch_open = early_preload
         self._consumed_in_epoch = 0
         self._held_slot: Optional[int] = None
@@ -113,7 +117,7 @@ class AsynchronousDataAccessor:
         if self._consumed_in_epoch > 0:
             self._restart_epoch()
         elif not self._epoch_open:
-            self._worker.send(("start", self._generation))
+            self._worker.send(("start", self._epoch_index))
             self._epoch_open = True
         return self
 
@@ -177,15 +181,22 @@ class AsynchronousDataAccessor:
                         "create a new one to load more data")
 
     def _restart_epoch(self) -> None:
-        self._release_held_slot()
+        """Leave the current epoch for the next one, dropping the batches
+        that the worker loaded after the last one returned. The slot of
+        that batch is freed by the same command, so that the worker loads
+        nothing more before it restarts."""
+        slot, self._held_slot = self._held_slot, None
         self._generation += 1
-        self._worker.send(("restart", self._generation))
+        self._worker.send(("restart", self._generation, self._epoch_index,
+                           self._consumed_in_epoch, slot))
+        self._epoch_index += 1
         self._consumed_in_epoch = 0
         self._epoch_open = True
 
     def _close_epoch(self) -> None:
         self._epoch_open = False
         self._consumed_in_epoch = 0
+        self._epoch_index += 1
 
     def _release_held_slot(self) -> None:
         if self._held_slot is not None:
@@ -217,6 +228,7 @@ class _WorkerHandle:
                                events_in):
                 connection.close()
             raise
+        source.worker_started()
         commands_out.close()
         events_in.close()
         self._commands = commands_in
@@ -290,7 +302,7 @@ class _WorkerHandle:
 
 
 def _error_from_report(report: ErrorReport, where: str) -> Error:
-    error = Error(f"{report.type_name}: {report.message} (raised {where})\n"
+    error = Error(f"{report.headline} (raised {where})\n"
                   f"Worker traceback:\n{report.traceback_text}")
     original = _unpickle_exception(report.pickled_exception)
     error.__cause__ = original

@@ -19,14 +19,23 @@ that a failure there reaches the user as an error with its traceback.
 Pickling while the worker starts (rather than earlier) lets a dataset hold
 objects that multiprocessing only shares with a starting process, such as a
 ``multiprocessing.Value``.
+
+The pickle of a tensor refers to its shared memory by a file descriptor
+that the starting process hands to the worker after pickling, and that
+stays open only while the tensor lives. Tensors created by the pickling
+itself (a ``__getstate__`` returning ``self.x.clone()``, the state of a
+``torch.Generator``) would die before that, and the worker would receive a
+closed or reused descriptor: garbage data, or a failed start. So every
+object the pickling meets is kept until the worker has started.
 """
+import io
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import pickle
 import tempfile
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -83,17 +92,27 @@ class DatasetSource:
         self.path: Optional[str] = None
         self._dataset = None
         self._pickled: Optional[bytes] = None
+        self._pickled_objects: Optional[List[Any]] = None
         if strategy == SharingStrategy.FileSystem:
             self.path = _save_to_file(dataset)
         else:
             self._dataset = dataset
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__, _dataset=None)
+        """The state sent to the worker: the dataset pickled with the
+        multiprocessing pickler. Keeps the objects the pickling met (see
+        the module documentation) until ``worker_started()``."""
+        state = dict(self.__dict__, _dataset=None, _pickled_objects=None)
         if self._dataset is not None:
-            state["_pickled"] = _pickle_for_process(self._dataset,
-                                                    self.strategy)
+            state["_pickled"], self._pickled_objects = _pickle_for_process(
+                self._dataset, self.strategy)
         return state
+
+    def worker_started(self) -> None:
+        """Release the objects kept by ``__getstate__``: once the worker
+        process has started it holds its own copies of the file
+        descriptors of their shared memory."""
+        self._pickled_objects = None
 
     def load(self) -> Any:
         """The dataset, in the worker process."""
@@ -107,16 +126,40 @@ class DatasetSource:
         return self._dataset
 
     def discard(self) -> None:
-        """Delete the temporary file if the worker did not load it."""
+        """Release what was made to send the dataset: the objects kept by
+        ``__getstate__`` and the temporary file if the worker did not load
+        it."""
+        self._pickled_objects = None
         if self.path is not None and os.path.exists(self.path):
             os.remove(self.path)
 
 
-def _pickle_for_process(dataset: Any, strategy: SharingStrategy) -> bytes:
+class _RetainingPickler(ForkingPickler):
+    """The multiprocessing pickler, keeping a reference to every object it
+    pickles other than the basic types (numbers, strings, containers), so
+    that tensors created during pickling outlive it."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.pickled_objects: List[Any] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        """Keep ``obj``, then pickle it as ``ForkingPickler`` does."""
+        self.pickled_objects.append(obj)
+        return NotImplemented
+
+
+def _pickle_for_process(dataset: Any,
+                        strategy: SharingStrategy) -> Tuple[bytes, List[Any]]:
+    """The pickle of ``dataset`` and the objects that must stay alive
+    until the worker process has started."""
+    buffer = io.BytesIO()
+    pickler = _RetainingPickler(buffer)
     try:
-        return bytes(ForkingPickler.dumps(dataset))
+        pickler.dump(dataset)
     except Exception as error:
         raise Error(_cannot_send_message(dataset, strategy, error)) from error
+    return buffer.getvalue(), pickler.pickled_objects
 
 
 def _save_to_file(dataset: Any) -> str:

@@ -7,21 +7,35 @@ It blocks, without polling, whenever it has nothing to do (no epoch running,
 or every slot full), and wakes up on a command or when the consumer process
 dies, in which case it exits.
 
-Commands (consumer -> worker), each a tuple whose first item is its kind:
-``("start", generation)`` run an epoch if none runs; ``("restart",
-generation)`` abandon the running epoch and run a new one;
+Epochs are numbered from 0 on both sides. Commands (consumer -> worker),
+each a tuple whose first item is its kind: ``("start", epoch)`` begin epoch
+``epoch`` unless it has begun already; ``("restart", generation, epoch,
+batches, slot)`` the consumer left epoch ``epoch`` after ``batches``
+batches, the last of them in ``slot``, which it frees: abandon what runs and
+begin epoch ``epoch + 1``, tagging events with the new ``generation``;
 ``("free", slot)`` the consumer is done with a slot; ``("stop",)`` exit.
 
 Events (worker -> consumer): ``("batch", generation, SlotMessage)``,
 ``("end", generation, number_of_batches)`` at the end of an epoch,
 ``("error", generation, ErrorReport)`` when the dataset raised (the epoch
 stops there) and ``("fatal", generation, ErrorReport)`` when the worker cannot
-go on (it exits after sending it). The generation lets the consumer drop what
-was loaded for an epoch it abandoned.
+go on (it exits after sending it). The generation counts restarts: it lets
+the consumer drop what was loaded after the batch it left an epoch at.
 
 With ``load_indefinitely`` the worker starts the next epoch as soon as one
 ends, so it preloads across epoch boundaries; an epoch that yields no batch
 or raises stops that, and the worker waits for the next "start".
+
+Preloading must not change the random numbers an epoch draws. Reaching the
+end of an epoch draws some (torch's ``RandomSampler`` draws a permutation it
+does not use before it stops), and so may loading batches that the consumer
+never takes. A torch ``DataLoader`` whose iteration the user leaves early
+(``break``, or ``len(loader)`` calls of ``next()``) has drawn none of them
+when the next epoch begins. So the worker records the state of the torch
+random generators that loading uses after every batch, and on "restart"
+puts back the state that followed the consumer's last batch: epoch ``k``
+shuffles as the ``k``-th epoch of the torch ``DataLoader`` would, whatever
+the worker had loaded ahead.
 
 Like torch's DataLoader workers, the worker computes with one intra-op
 thread and leaves Ctrl-C to the parent, which stops it. It starts with the
@@ -34,11 +48,12 @@ import pickle
 import signal
 import traceback
 from collections import deque
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Deque, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils.data import IterableDataset
 
+from ...errors import Error
 from .rebatching import rebatch
 from .ring_buffer import SlotWriter
 from .sharing import DatasetSource
@@ -57,9 +72,10 @@ class WorkerConfig(NamedTuple):
 
 
 class ErrorReport(NamedTuple):
-    """An exception raised in the worker, in a form that always pickles."""
-    type_name: str
-    message: str
+    """An exception raised in the worker, in a form that always pickles.
+    ``headline`` is its type and message (``ValueError: ...``), or only the
+    message for a ``poptorch.Error``, which the consumer raises as one."""
+    headline: str
     traceback_text: str
     pickled_exception: Optional[bytes]
 
@@ -72,7 +88,9 @@ class ErrorReport(NamedTuple):
             pickle.loads(pickled)
         except Exception:
             pickled = None
-        return cls(type(error).__qualname__, str(error), text, pickled)
+        headline = (str(error) if type(error) is Error else
+                    f"{type(error).__qualname__}: {error}")
+        return cls(headline, text, pickled)
 
 
 def run_worker(source: DatasetSource, config: WorkerConfig,
@@ -113,6 +131,55 @@ def epoch_items(dataset: Any) -> Iterator:
     return iter(dataset)
 
 
+_BatchKey = Tuple[int, int]  # (epoch, number of batches loaded in it)
+
+
+def _random_generators(dataset: Any) -> List[torch.Generator]:
+    """The torch generators that loading ``dataset`` draws from: torch's
+    default generator and, for a torch ``DataLoader``, the ``generator`` of
+    the loader and of its samplers (each generator once)."""
+    found = {id(torch.default_generator): torch.default_generator}
+    pending = [dataset]
+    seen = set()
+    while pending:
+        owner = pending.pop()
+        if id(owner) in seen or not isinstance(
+                owner, (torch.utils.data.DataLoader,
+                        torch.utils.data.Sampler)):
+            continue
+        seen.add(id(owner))
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found.setdefault(id(generator), generator)
+        pending.extend(getattr(owner, name, None)
+                       for name in ("sampler", "batch_sampler"))
+    return list(found.values())
+
+
+class _RandomStates:
+    """The states of ``generators`` after each of the last ``capacity``
+    batches loaded, to go back to one of them."""
+
+    def __init__(self, generators: List[torch.Generator],
+                 capacity: int) -> None:
+        self._generators = generators
+        self._recorded: Deque[Tuple[_BatchKey, List[torch.Tensor]]] = deque(
+            maxlen=capacity)
+
+    def record(self, key: _BatchKey) -> None:
+        """Record the current states as those after batch ``key``."""
+        self._recorded.append(
+            (key, [generator.get_state() for generator in self._generators]))
+
+    def restore(self, key: _BatchKey) -> None:
+        """Put back the states recorded after batch ``key`` and forget all
+        records: they belong to batches loaded after it."""
+        states = dict(self._recorded)[key]
+        for generator, state in zip(self._generators, states):
+            generator.set_state(state)
+        self._recorded.clear()
+
+
 class _WorkerLoop:
     """The command/load loop described in the module documentation."""
 
@@ -128,8 +195,14 @@ class _WorkerLoop:
         self._free_slots = deque(range(config.buffer_size))
         self._generation = 0
         self._epoch: Optional[Iterator] = None
+        self._epoch_index = -1
         self._batches_in_epoch = 0
-        self._start_requested = config.early_preload
+        self._requested_epoch: Optional[int] = (0 if config.early_preload
+                                                else None)
+        # The batches loaded after the consumer's last one each hold one
+        # of the other buffer_size - 1 slots.
+        self._random_states = _RandomStates(_random_generators(dataset),
+                                            config.buffer_size)
         self._stopping = False
 
     def run(self) -> None:
@@ -138,14 +211,14 @@ class _WorkerLoop:
             if self._stopping:
                 return
             if self._epoch is None:
-                if self._start_requested:
+                if self._requested_epoch is not None:
                     self._begin_epoch()
             elif self._free_slots:
                 self._load_next_batch()
 
     def _idle(self) -> bool:
         if self._epoch is None:
-            return not self._start_requested
+            return self._requested_epoch is None
         return not self._free_slots
 
     def _read_commands(self, wait: bool) -> None:
@@ -165,18 +238,34 @@ class _WorkerLoop:
         if kind == "free":
             self._free_slots.append(command[1])
         elif kind == "start":
-            if self._epoch is None:
-                self._start_requested = True
-                self._generation = command[1]
+            self._start(command[1])
         elif kind == "restart":
-            self._epoch = None
-            self._start_requested = True
-            self._generation = command[1]
+            self._restart(*command[1:])
         elif kind == "stop":
             self._stopping = True
 
+    def _start(self, epoch: int) -> None:
+        """Begin ``epoch`` unless it has begun (with ``load_indefinitely``
+        the worker begins the next epoch by itself)."""
+        if epoch > self._epoch_index:
+            self._requested_epoch = epoch
+
+    def _restart(self, generation: int, epoch: int, batches: int,
+                 slot: Optional[int]) -> None:
+        """The consumer left ``epoch`` after ``batches`` batches and freed
+        ``slot``: drop what was loaded since, go back to the random state
+        that followed that batch and begin the next epoch."""
+        if slot is not None:
+            self._free_slots.append(slot)
+        self._random_states.restore((epoch, batches))
+        self._generation = generation
+        self._epoch = None
+        self._epoch_index = epoch
+        self._requested_epoch = epoch + 1
+
     def _begin_epoch(self) -> None:
-        self._start_requested = False
+        self._epoch_index = self._requested_epoch
+        self._requested_epoch = None
         self._batches_in_epoch = 0
         try:
             self._epoch = self._batches()
@@ -204,13 +293,15 @@ class _WorkerLoop:
             return
         self._free_slots.popleft()
         self._batches_in_epoch += 1
+        self._random_states.record(
+            (self._epoch_index, self._batches_in_epoch))
         self._events.send(("batch", self._generation, message))
 
     def _end_epoch(self) -> None:
         self._events.send(("end", self._generation, self._batches_in_epoch))
         self._epoch = None
-        self._start_requested = (self._config.load_indefinitely
-                                 and self._batches_in_epoch > 0)
+        if self._config.load_indefinitely and self._batches_in_epoch > 0:
+            self._requested_epoch = self._epoch_index + 1
 
     def _report_error(self, error: Exception) -> None:
         self._epoch = None
