@@ -236,6 +236,27 @@ def test_a_loss_no_output_uses_is_dead_code():
     _one_step_like_plain_pytorch(WithUnusedLoss)
 
 
+def test_losses_written_into_a_tensor_and_summed_train_together():
+    """Multi-task losses gathered in a tensor (``terms[0] = ce``): the
+    returned sum is the total of both, not a report of the one used
+    directly."""
+    class Gathered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.aux = torch.nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            ce = torch.nn.functional.cross_entropy(out, y)
+            terms = torch.zeros(1)
+            terms[0] = torch.nn.functional.mse_loss(
+                self.aux(x).squeeze(1), y.float())
+            return out, ce + terms.sum()
+
+    _one_step_like_plain_pytorch(Gathered)
+
+
 def test_model_without_loss_is_an_error(mlp):
     model = poptorch.trainingModel(torch.nn.Linear(4, 2), options())
     with pytest.raises(poptorch.Error, match="no loss"):

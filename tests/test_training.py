@@ -374,3 +374,47 @@ def test_scripted_traced_and_compiled_parts_are_captured(prepare):
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(trained[name], value, atol=1e-6,
                                    rtol=1e-5)
+
+
+class WrittenIntoZeros(torch.nn.Module):
+    """Activations written into a tensor made in ``forward``: a padded
+    batch (``pad_sequence``), a hand-written recurrence filling its output
+    step by step."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x, y):
+        if self.kind == "pad_sequence":
+            parts = [self.fc(x[:2]), self.fc(x[2:])[:1]]
+            out = torch.nn.utils.rnn.pad_sequence(parts).sum(0)
+        else:
+            out = torch.zeros(x.shape[0], 6)
+            state = torch.zeros(x.shape[0], 4)
+            for step in range(2):
+                state = torch.tanh(self.fc(x) + state)
+                out[:, 2 * step:2 * step + 2] = state[:, :2]
+            out = out[:, :3]
+        return out, torch.nn.functional.cross_entropy(out[:, :3],
+                                                      y[:out.shape[0]])
+
+
+@pytest.mark.parametrize("kind", ["pad_sequence", "filled_step_by_step"])
+def test_gradients_reach_weights_through_writes_into_new_tensors(kind):
+    """The loss reads the new tensor, which the graph's edges do not link
+    to the values written into it: the weights were left out of the
+    trainable set and never moved, silently."""
+    torch.manual_seed(0)
+    net, twin = WrittenIntoZeros(kind), WrittenIntoZeros(kind)
+    twin.load_state_dict(net.state_dict())
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.5))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for seed in range(2):
+        x, y = make_data(4, seed=seed)
+        _, loss = model(x, y)
+        expected = reference_training(twin, optimizer, (x, y))
+        torch.testing.assert_close(loss, expected[0])
+    assert_same_weights(net, twin)

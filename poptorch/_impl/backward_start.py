@@ -19,54 +19,35 @@ when the final loss itself is not returned and no total is. Of several
 totals, the one computed from all the others starts it; totals of which
 none is are an error, as PyTorch's user would have to choose one.
 """
-from typing import Callable, Iterable, List, Optional, Set
+from typing import List, Optional
 
 import torch
 
 from ..errors import Error
 from . import losses
+from .graph_writes import DataFlow
 
 Node = torch.fx.Node
 
 
-def _reachable(node: Node, neighbours: Callable[[Node], Iterable[Node]],
-               blocked: Set[Node] = frozenset()) -> Set[Node]:
-    """Nodes reachable from ``node`` through ``neighbours(node)``, not
-    going through ``blocked`` nodes."""
-    seen, todo = set(), [node]
-    while todo:
-        for other in neighbours(todo.pop()):
-            if other not in seen:
-                seen.add(other)
-                if other not in blocked:
-                    todo.append(other)
-    return seen
-
-
-def descendants(node: Node) -> Set[Node]:
-    return _reachable(node, lambda n: n.users)
-
-
-def ancestors(node: Node) -> Set[Node]:
-    return _reachable(node, lambda n: n.all_input_nodes)
-
-
-def final_losses(loss_nodes: List[Node]) -> List[Node]:
+def final_losses(loss_nodes: List[Node], flow: DataFlow) -> List[Node]:
     """The recorded losses that feed no other recorded loss."""
     if not loss_nodes:
         raise Error(losses.NO_LOSS_MESSAGE)
     distinct = set(loss_nodes)
     return list(dict.fromkeys(
-        node for node in loss_nodes if not descendants(node) & distinct))
+        node for node in loss_nodes
+        if not flow.descendants(node) & distinct))
 
 
-def used_losses(finals: List[Node], returned: List[Node]) -> List[Node]:
+def used_losses(finals: List[Node], returned: List[Node],
+                flow: DataFlow) -> List[Node]:
     """The final losses whose value reaches a returned tensor, when any
     does: a loss computed and never used (``unused = ce(logits, y)``) is
     dead code, which PopTorch's traced graph leaves out."""
     outputs = set(returned)
     used = [node for node in finals
-            if node in outputs or descendants(node) & outputs]
+            if node in outputs or flow.descendants(node) & outputs]
     return used or finals
 
 
@@ -75,39 +56,42 @@ def _single_element(node: Node) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == 1
 
 
-def _brings_in_more(node: Node, finals: List[Node]) -> bool:
+def _brings_in_more(node: Node, finals: List[Node], flow: DataFlow) -> bool:
     """Whether ``node`` depends on several final losses, or on an input or
     weight by a path that does not go through the final losses."""
     if len(finals) > 1:
         return True
-    upstream = _reachable(node, lambda n: n.all_input_nodes, set(finals))
+    upstream = flow.ancestors(node, set(finals))
     return any(n.op == "placeholder" for n in upstream - set(finals))
 
 
-def _last(nodes: List[Node]) -> Optional[Node]:
+def _last(nodes: List[Node], flow: DataFlow) -> Optional[Node]:
     """The node of ``nodes`` computed from all the others, if one is."""
     for node in nodes:
-        if all(other is node or other in ancestors(node) for other in nodes):
+        if all(other is node or other in flow.ancestors(node)
+               for other in nodes):
             return node
     return None
 
 
-def returned_total(returned: List[Node], finals: List[Node]) -> Optional[int]:
+def returned_total(returned: List[Node], finals: List[Node],
+                   flow: DataFlow) -> Optional[int]:
     """The index of the returned tensor the backward pass starts from (see
     the module docstring), or None for the final loss."""
     computed = list(dict.fromkeys(
         node for node in returned
         if node not in finals and _single_element(node)
-        and set(finals) <= ancestors(node)))
-    totals = [node for node in computed if _brings_in_more(node, finals)]
+        and set(finals) <= flow.ancestors(node)))
+    totals = [node for node in computed
+              if _brings_in_more(node, finals, flow)]
     if totals:
-        last = _last(totals)
+        last = _last(totals, flow)
         if last is None:
             positions = ", ".join(str(returned.index(n)) for n in totals)
             raise Error(losses.SEVERAL_TOTALS_MESSAGE.format(
                 positions=positions))
         return returned.index(last)
     if computed and not any(node in finals for node in returned):
-        last = _last(computed)
+        last = _last(computed, flow)
         return None if last is None else returned.index(last)
     return None

@@ -20,7 +20,6 @@ in-place operations on those inputs, so they reach the caller. Nodes carry
 """
 import contextlib
 import dataclasses
-import operator
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
-from . import (backward_start, blocks, losses, recomputation,
+from . import (backward_start, blocks, graph_writes, losses, recomputation,
                tracing_context)
 from .compile_errors import capture_refusal, locate
 from .cumulative_batch_norm import CumulativeAverage, mark_cumulative_modules
@@ -271,84 +270,18 @@ def _placeholders(graph: torch.fx.Graph) -> List[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
-def _schema_arguments(node: torch.fx.Node):
-    """(argument schema, value) pairs of an operator call node."""
-    schema = node.target._schema
-    for index, argument in enumerate(schema.arguments):
-        if index < len(node.args):
-            yield argument, node.args[index]
-        elif argument.name in node.kwargs:
-            yield argument, node.kwargs[argument.name]
-
-
-def _nodes_in(value) -> List[torch.fx.Node]:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return [v for v in values if isinstance(v, torch.fx.Node)]
-
-
-# Batch normalisation kernels update running_mean and running_var (argument
-# positions 3 and 4) in place when ``training`` (position 5) is True, but
-# their schemas do not declare the write.
-_UNDECLARED_WRITES = {
-    torch.ops.aten.native_batch_norm.default: (3, 4),
-    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
-    torch.ops.aten.miopen_batch_norm.default: (3, 4),
-}
-
-
-def _undeclared_writes(node: torch.fx.Node) -> List[torch.fx.Node]:
-    positions = _UNDECLARED_WRITES.get(node.target, ())
-    if not positions or len(node.args) < 6 or node.args[5] is not True:
-        return []
-    return [node.args[p] for p in positions
-            if isinstance(node.args[p], torch.fx.Node)]
-
-
-def written_placeholders(graph: torch.fx.Graph) -> List[int]:
-    """Indices of the inputs the graph writes to, directly or through views,
-    read from the operators' schemas (``Tensor(a!)`` arguments) and from
-    ``_UNDECLARED_WRITES``."""
-    root = {node: i for i, node in enumerate(_placeholders(graph))}
-    written = set()
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is operator.getitem:
-            if node.args[0] in root:
-                root[node] = root[node.args[0]]
-            continue
-        if not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        written.update(root[arg] for arg in _undeclared_writes(node)
-                       if arg in root)
-        alias_roots = {}
-        for argument, value in _schema_arguments(node):
-            info = argument.alias_info
-            if info is None:
-                continue
-            for arg_node in _nodes_in(value):
-                if arg_node in root:
-                    written.update([root[arg_node]] if info.is_write else [])
-                    alias_roots.update(dict.fromkeys(info.before_set,
-                                                     root[arg_node]))
-        for returned in node.target._schema.returns:
-            if returned.alias_info is not None:
-                for alias in returned.alias_info.before_set:
-                    if alias in alias_roots:
-                        root[node] = alias_roots[alias]
-    return sorted(written)
-
-
 def _choose_backward_start(analysis: ModelAnalysis,
                            returned: List[torch.fx.Node],
                            loss_nodes: List[torch.fx.Node],
-                           places: List[str]) -> torch.fx.Node:
+                           places: List[str],
+                           flow: graph_writes.DataFlow) -> torch.fx.Node:
     """Set where the backward pass starts (a returned total, else the one
     final loss) and return its node. ``places``: the user's line of each
     recorded loss."""
     finals = backward_start.used_losses(
-        backward_start.final_losses(loss_nodes), returned)
-    analysis.loss_output = backward_start.returned_total(returned, finals)
+        backward_start.final_losses(loss_nodes, flow), returned, flow)
+    analysis.loss_output = backward_start.returned_total(returned, finals,
+                                                         flow)
     if analysis.loss_output is not None:
         return returned[analysis.loss_output]
     if len(finals) > 1:
@@ -381,7 +314,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
     with capture_scope(call.module, training_flags) as block_records, \
             losses.recording_mode(training):
         graph = trace_user_code(forward, params + buffers + inputs).graph
-    written = written_placeholders(graph)
+    written = graph_writes.written_placeholders(graph)
     num_state = len(params) + len(buffers)
     analysis = ModelAnalysis(
         output_spec=found["spec"], output_constants=found["constants"],
@@ -393,9 +326,11 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
     if training:
         outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
         split_at = len(outputs) - found["num_losses"]
+        flow = graph_writes.DataFlow(graph)
         start = _choose_backward_start(analysis, outputs[:split_at],
-                                       outputs[split_at:], found["places"])
-        reaching = backward_start.ancestors(start)
+                                       outputs[split_at:], found["places"],
+                                       flow)
+        reaching = flow.ancestors(start)
         analysis.params_reaching_loss = [
             i for i, node in enumerate(_placeholders(graph)[:len(params)])
             if node in reaching]

@@ -32,8 +32,8 @@ from ...enums import ReductionType
 from .. import blocks, losses
 from . import partition
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
-                       split_flat, tensor_outputs, trace_user_code,
-                       written_placeholders)
+                       split_flat, tensor_outputs, trace_user_code)
+from ..graph_writes import written_placeholders
 from ..optimizers.gradient_reduction import GradientReduction
 from ..profiling.ranges import profile_range
 from ..replication.grouping import GroupedWeights
