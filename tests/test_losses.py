@@ -257,6 +257,37 @@ def test_losses_written_into_a_tensor_and_summed_train_together():
     _one_step_like_plain_pytorch(Gathered)
 
 
+class GaussianHead(torch.nn.Module):
+    """A mean and a variance head trained with nn.GaussianNLLLoss, whose
+    variance check reads values in Python."""
+
+    def __init__(self, variance_shape, full, reduction):
+        super().__init__()
+        self.mean = torch.nn.Linear(4, 3)
+        self.variance = torch.nn.Linear(4, 3 if variance_shape == "same"
+                                        else 1)
+        self.variance_shape = variance_shape
+        self.loss = torch.nn.GaussianNLLLoss(full=full, reduction=reduction)
+
+    def forward(self, x, y):
+        mean = self.mean(x)
+        variance = torch.nn.functional.softplus(self.variance(x))
+        if self.variance_shape == "one short":
+            variance = variance.squeeze(1)
+        target = torch.nn.functional.one_hot(y, 3).float()
+        loss = self.loss(mean, target, variance)
+        return mean, loss if loss.dim() == 0 else loss.mean()
+
+
+@pytest.mark.parametrize("variance_shape, full, reduction", [
+    ("same", False, "mean"), ("one short", True, "sum"),
+    ("size 1", False, "none")])
+def test_gaussian_nll_loss_trains_as_in_pytorch(variance_shape, full,
+                                                reduction):
+    _one_step_like_plain_pytorch(
+        lambda: GaussianHead(variance_shape, full, reduction))
+
+
 def test_model_without_loss_is_an_error(mlp):
     model = poptorch.trainingModel(torch.nn.Linear(4, 2), options())
     with pytest.raises(poptorch.Error, match="no loss"):

@@ -18,7 +18,9 @@
   a graph of tensors without values cannot hold. Its default validation is
   off while tracing, as ``Distribution.set_default_validate_args(False)``
   sets it; a distribution created with ``validate_args=True`` still
-  validates and fails with a hint (``compile_errors.py``).
+  validates and fails with a hint (``compile_errors.py``). For the same
+  reason ``F.gaussian_nll_loss`` skips its check that no variance is
+  negative (``value_checks.py``).
 * Parts of the model compiled with ``torch.compile`` run as they were
   written (dynamo's ``error_on_nested_fx_trace`` off: a compiled function
   met while tracing is inlined); the capture traces them into the model's
@@ -59,6 +61,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .ctc_loss import static_ctc_loss
 from .data_dependent_ops import static_shape_operators
 from .tensor_copies import deepcopy_as_clone
+from .value_checks import without_value_checks
 
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 _COMPILED_PART_HOOKS = "Using `torch.compile\\(module\\)` when there are global hooks"
@@ -207,7 +210,7 @@ def fake_tracing() -> Iterator[None]:
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
                 warnings.catch_warnings(), static_ctc_loss(), \
                 static_shape_operators(), transformers_regular_path(), \
-                deepcopy_as_clone():
+                deepcopy_as_clone(), without_value_checks():
             # Automatic casting's global module hooks fire twice for a
             # compiled part, which torch warns of; its scopes stay balanced.
             warnings.filterwarnings("ignore", message=_COMPILED_PART_HOOKS)
