@@ -418,3 +418,35 @@ def test_gradients_reach_weights_through_writes_into_new_tensors(kind):
         expected = reference_training(twin, optimizer, (x, y))
         torch.testing.assert_close(loss, expected[0])
     assert_same_weights(net, twin)
+
+
+class WrittenAfterTheLoss(torch.nn.Module):
+    """``probe``'s output is written into the tensor after the loss has
+    read it: the loss does not depend on ``probe``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.probe = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        scratch = torch.zeros(x.shape[0], 3)
+        scratch += self.fc(x)
+        loss = torch.nn.functional.cross_entropy(scratch, y)
+        scratch.copy_(self.probe(x))
+        return scratch, loss
+
+
+def test_a_write_after_the_loss_read_its_tensor_trains_nothing_more():
+    """As in PyTorch, ``probe`` gets no gradient, so weight decay leaves it
+    alone."""
+    torch.manual_seed(0)
+    net, twin = WrittenAfterTheLoss(), WrittenAfterTheLoss()
+    twin.load_state_dict(net.state_dict())
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.5, weight_decay=0.1))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5, weight_decay=0.1)
+    x, y = make_data(4)
+    model(x, y)
+    reference_training(twin, optimizer, (x, y))
+    assert_same_weights(net, twin)

@@ -123,9 +123,11 @@ def reachable(node: Node, neighbours: Callable[[Node], Iterable[Node]],
 
 class DataFlow:
     """What each node of a graph depends on and feeds, through its edges
-    and through the in-place writes to the tensors it reads."""
+    and through the in-place writes to the tensors it reads (a write
+    counts for the reads that follow it)."""
 
     def __init__(self, graph: torch.fx.Graph) -> None:
+        self._order = {node: index for index, node in enumerate(graph.nodes)}
         self._root, self._writers = roots_and_writes(graph)
         self._aliases: Dict[Node, List[Node]] = {}
         for node, root in self._root.items():
@@ -136,17 +138,23 @@ class DataFlow:
                 self._written.setdefault(writer, []).append(root)
 
     def inputs(self, node: Node) -> List[Node]:
-        """``node``'s inputs and the writes to the tensor it is or
-        views."""
-        root = self._root.get(node, node)
-        return [*node.all_input_nodes, *self._writers.get(root, [])]
+        """``node``'s inputs and the earlier writes to the tensors they are
+        or view."""
+        inputs = node.all_input_nodes
+        earlier = [writer for read in inputs
+                   for writer in self._writers.get(self._root.get(read, read),
+                                                   [])
+                   if self._order[writer] < self._order[node]]
+        return [*inputs, *earlier]
 
     def users(self, node: Node) -> List[Node]:
-        """``node``'s users and, when it writes a tensor, that tensor and
-        its views (whose users read what it wrote)."""
+        """``node``'s users and, when it writes a tensor, the later readers
+        of that tensor and its views."""
         fed = list(node.users)
         for root in self._written.get(node, []):
-            fed += [root, *self._aliases.get(root, [])]
+            fed += [user for alias in (root, *self._aliases.get(root, []))
+                    for user in alias.users
+                    if self._order[user] > self._order[node]]
         return fed
 
     def ancestors(self, node: Node,
