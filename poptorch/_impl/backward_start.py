@@ -3,10 +3,11 @@
 
 The recorded losses (``losses.py``) that feed no other recorded loss are
 the final losses; of those, the ones that no returned tensor uses are left
-out when another is used. The backward pass starts from the single-element tensor
-``forward`` returns that is the model's total loss, as ``total.backward()``
-would in PyTorch, when there is one; else from the final loss (several
-unrelated final losses are an error).
+out when another is used. Dependencies follow the graph's edges and its
+in-place writes (``graph_writes.DataFlow``). The backward pass starts from
+the single-element tensor ``forward`` returns that is the model's total
+loss, as ``total.backward()`` would in PyTorch, when there is one; else
+from the final loss (several unrelated final losses are an error).
 
 A returned single-element tensor computed from every final loss (and not
 a final loss itself) is a total when it brings in more than one final
