@@ -122,6 +122,48 @@ def test_load_restores_training_state_and_random_numbers(tmp_path):
         assert torch.equal(loaded.model.state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("method", ["compileAndExport", "save"])
+def test_a_training_and_a_validation_model_of_one_module_load_back(
+        tmp_path, method):
+    """The spec's precompilation example: the module is put in eval mode
+    for the validation model after the training model wraps it. Each file
+    keeps the modes its model runs with (the training file used to load
+    the module in eval mode and refuse its own executable)."""
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    training = poptorch.trainingModel(net, options())
+    net.eval()
+    validation = poptorch.inferenceModel(net, options())
+    x, y = make_images(4)
+    paths = tmp_path / "training.poptorch", tmp_path / "validation.poptorch"
+    if method == "save":
+        training(x, y)
+        validation(x, y)
+        training.save(paths[0])
+        validation.save(paths[1])
+    else:
+        training.compileAndExport(paths[0], x, y)
+        validation.compileAndExport(paths[1], x, y)
+    loaded_training, loaded_validation = (poptorch.load(p) for p in paths)
+    # Validation first: the next training call changes net's weights.
+    torch.testing.assert_close(loaded_validation(x, y), validation(x, y))
+    torch.testing.assert_close(loaded_training(x, y), training(x, y))
+
+
+def test_a_pickled_training_model_keeps_its_modes(tmp_path):
+    """``torch.save`` of the wrapper after ``module.eval()``: the loaded
+    wrapper still trains in train mode, as the original does."""
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    training = poptorch.trainingModel(net, options())
+    net.eval()
+    x, y = make_images(4)
+    training(x, y)
+    torch.save(training, tmp_path / "wrapper.pt")
+    loaded = torch.load(tmp_path / "wrapper.pt", weights_only=False)
+    torch.testing.assert_close(loaded(x, y), training(x, y))
+
+
 def test_without_rng_state_the_seed_restarts(tmp_path):
     path = tmp_path / "training.poptorch"
     model = _training()

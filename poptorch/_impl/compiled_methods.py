@@ -70,7 +70,8 @@ class CompiledExecutionMethods:
 
     def _wrapped(self) -> export.WrappedModel:
         return export.WrappedModel(self._module, self._optimizer, self._plan,
-                                   self._options, self._training)
+                                   self._options, self._training,
+                                   self._training_flags)
 
     # --- tensor names and anchors -------------------------------------------
     def getTensorNames(self) -> List[str]:

@@ -45,7 +45,8 @@ class PoplarExecutor(CompiledExecutionMethods):
                  poptorch_version: str,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  user_model: Optional[torch.nn.Module] = None,
-                 modes_at_first_call: bool = False) -> None:
+                 modes_at_first_call: bool = False,
+                 training_flags: Optional[Dict[str, bool]] = None) -> None:
         module = user_model if user_model is not None else model
         if not isinstance(module, torch.nn.Module):
             raise Error(f"The model must be a torch.nn.Module, got "
@@ -59,8 +60,12 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._module = module
         self._training = training
         self._poptorch_version = poptorch_version
+        # The modules' train/eval flags the model runs with: given (a
+        # model saved and loaded again), else the module's now or at the
+        # first call.
         self._training_flags: Optional[Dict[str, bool]] = (
-            None if modes_at_first_call else _training_flags(module))
+            training_flags if training_flags is not None
+            else None if modes_at_first_call else _training_flags(module))
         self._optimizer = optimizer
         self._plan: Optional[OptimizerPlan] = (
             plan_optimizer(optimizer, _host_params(module))
@@ -97,7 +102,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         executor compiles again on its first call."""
         self.copyWeightsToHostIfNeeded()
         return (_rebuild_executor, (self._module, self._options.clone(),
-                                    self._training, self._optimizer))
+                                    self._training, self._optimizer,
+                                    self._training_flags))
 
     # --- properties -------------------------------------------------------
     @property
@@ -493,10 +499,11 @@ def _training_flags(module: torch.nn.Module) -> Dict[str, bool]:
     return {name: m.training for name, m in module.named_modules()}
 
 
-def _rebuild_executor(module, options, training, optimizer):
+def _rebuild_executor(module, options, training, optimizer,
+                      training_flags=None):
     return PoplarExecutor(module, options, training,
                           poptorch_version=__version__, optimizer=optimizer,
-                          user_model=module)
+                          user_model=module, training_flags=training_flags)
 
 
 def _mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:

@@ -104,12 +104,15 @@ def _tensor_list(names: List[str], tensors: List[torch.Tensor]) -> List:
 @dataclasses.dataclass
 class WrappedModel:
     """What a wrapped model is besides its compiled state: the module, its
-    optimizer and optimizer plan (training models) and the options."""
+    optimizer and optimizer plan (training models), the options, and the
+    train/eval flags of the module and its sub-modules that the model runs
+    with (those at wrapping, whatever the module's are now)."""
     module: torch.nn.Module
     optimizer: Optional[torch.optim.Optimizer]
     plan: Any
     options: Any
     training: bool
+    training_flags: Optional[Dict[str, bool]]
 
 
 def _optimizer_structure(plan) -> Optional[str]:
@@ -201,7 +204,8 @@ def _saved_model(wrapped: WrappedModel) -> bytes:
     with weight_sync.host_reads_suspended():
         torch.save({"module": wrapped.module,
                     "optimizer": wrapped.optimizer,
-                    "options": wrapped.options.clone()}, buffer)
+                    "options": wrapped.options.clone(),
+                    "training_flags": wrapped.training_flags}, buffer)
     return buffer.getvalue()
 
 

@@ -27,6 +27,7 @@ def load(filename: str,
     executor = PoplarExecutor(module, options, exported.manifest["training"],
                               poptorch_version=__version__,
                               optimizer=contents["optimizer"],
-                              user_model=module)
+                              user_model=module,
+                              training_flags=contents.get("training_flags"))
     load_exported(executor, exported, with_optimizer=True)
     return executor
