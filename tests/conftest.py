@@ -140,6 +140,24 @@ def assert_same_weights(module_a, module_b, atol=1e-6):
                                    rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_trains_like_plain_pytorch(make_model, lr, calls=2):
+    """Calls of a training model of ``make_model()`` on 4 rows return the
+    loss plain PyTorch computes (the second output) and leave the weights
+    of the same SGD steps."""
+    torch.manual_seed(0)
+    net, twin = make_model(), make_model()
+    twin.load_state_dict(net.state_dict())
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=lr))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=lr)
+    for seed in range(calls):
+        x, y = make_data(4, seed=seed)
+        _, loss = model(x, y)
+        expected = reference_training(twin, optimizer, (x, y))
+        torch.testing.assert_close(loss, expected[0])
+    assert_same_weights(net, twin)
+
+
 def assert_same_batches(actual, expected):
     """Equal batch structures and equal tensors, batch by batch."""
     assert len(actual) == len(expected)

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import poptorch
-from conftest import (assert_same_weights, make_data, options,
-                      reference_training)
+from conftest import (assert_same_weights, assert_trains_like_plain_pytorch,
+                      make_data, options, reference_training)
 
 
 class CustomLoss(torch.nn.Module):
@@ -97,18 +97,7 @@ def test_a_returned_total_of_the_losses_is_what_trains(kind):
     final loss(es), as its backward() would in PyTorch; before, it started
     from the loss function's output and left the rest out, silently (or
     refused two added losses)."""
-    torch.manual_seed(0)
-    net, twin = ReturnedTotal(kind), ReturnedTotal(kind)
-    twin.load_state_dict(net.state_dict())
-    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
-        net.parameters(), lr=0.1))
-    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
-    for seed in range(2):
-        x, y = make_data(4, seed=seed)
-        _, total = model(x, y)
-        expected = reference_training(twin, optimizer, (x, y))
-        torch.testing.assert_close(total, expected[0])
-    assert_same_weights(net, twin)
+    assert_trains_like_plain_pytorch(lambda: ReturnedTotal(kind), lr=0.1)
 
 
 def _one_step_like_plain_pytorch(make_model):

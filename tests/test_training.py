@@ -8,7 +8,8 @@ import torch
 
 import poptorch
 from poptorch._impl.executor import compiled_model
-from conftest import (BatchNormNet, assert_same_weights, make_data,
+from conftest import (BatchNormNet, assert_same_weights,
+                      assert_trains_like_plain_pytorch, make_data,
                       make_images, options, reference_training)
 
 
@@ -406,18 +407,7 @@ def test_gradients_reach_weights_through_writes_into_new_tensors(kind):
     """The loss reads the new tensor, which the graph's edges do not link
     to the values written into it: the weights were left out of the
     trainable set and never moved, silently."""
-    torch.manual_seed(0)
-    net, twin = WrittenIntoZeros(kind), WrittenIntoZeros(kind)
-    twin.load_state_dict(net.state_dict())
-    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
-        net.parameters(), lr=0.5))
-    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
-    for seed in range(2):
-        x, y = make_data(4, seed=seed)
-        _, loss = model(x, y)
-        expected = reference_training(twin, optimizer, (x, y))
-        torch.testing.assert_close(loss, expected[0])
-    assert_same_weights(net, twin)
+    assert_trains_like_plain_pytorch(lambda: WrittenIntoZeros(kind), lr=0.5)
 
 
 class WrittenAfterTheLoss(torch.nn.Module):
