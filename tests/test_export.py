@@ -213,7 +213,9 @@ def test_never_connected_model_exports_and_loads_to_run(tmp_path):
     x, y = make_images(4)
     offline = _inference(useOfflineIpuTarget=2)
     offline.compileAndExport(path, x, y)
-    with pytest.raises(poptorch.Error, match="ConnectionType.Never"):
+    with pytest.raises(poptorch.Error, match=r"created with "
+                       r"useOfflineIpuTarget\(\), which sets "
+                       r"connectionType\(ConnectionType.Never\)"):
         offline(x, y)
     loaded = poptorch.load(path)
     online = _inference()

@@ -273,11 +273,14 @@ class PoplarExecutor(CompiledExecutionMethods):
 
     def _connect_for_run(self) -> None:
         if self._options.connection_type == ConnectionType.Never:
+            offline = self._options.offline_ipu_version is not None
+            cause = ("useOfflineIpuTarget(), which sets "
+                     "connectionType(ConnectionType.Never)" if offline
+                     else "connectionType(ConnectionType.Never)")
             raise Error(
-                "This model was compiled with "
-                "connectionType(ConnectionType.Never): it can be compiled "
+                f"This model was created with {cause}: it can be compiled "
                 "and exported but not run. Create the model with other "
-                "options to run it.")
+                "options to run it, or poptorch.load() its exported file.")
         if not self._attached:
             self.attachToDevice()
 
