@@ -214,3 +214,20 @@ def test_outputs_handing_back_inputs_or_weights_are_copies(training, mode):
     weight.zero_()
     model.copyWeightsToHost()
     torch.testing.assert_close(model.fc.weight.detach(), weight_before)
+
+
+def test_a_returned_constant_is_a_copy():
+    """A plain tensor attribute is a constant of the graph: writing to the
+    output leaves the next call's value alone."""
+    class WithTable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.arange(3.0)
+
+        def forward(self, x):
+            return x * 2, self.table
+
+    model = poptorch.inferenceModel(WithTable())
+    _, table = model(torch.ones(2))
+    table.zero_()
+    torch.testing.assert_close(model(torch.ones(2))[1], torch.arange(3.0))

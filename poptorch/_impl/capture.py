@@ -251,6 +251,9 @@ class ModelAnalysis:
     final_loss: Optional[int]
     params_reaching_loss: List[int]
     blocks: List[blocks.BlockRecord]    # annotated blocks, in order met
+    #: The returned tensors that are an input, weight, buffer or constant
+    #: (or a view of one) rather than a value the step computes.
+    stored_outputs: List[int]
     #: The returned tensor the backward pass starts from, when it is one
     #: computed from the final loss(es) (``backward_start.py``).
     loss_output: Optional[int] = None
@@ -314,19 +317,20 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
     with capture_scope(call.module, training_flags) as block_records, \
             losses.recording_mode(training):
         graph = trace_user_code(forward, params + buffers + inputs).graph
-    written = graph_writes.written_placeholders(graph)
+    flow = graph_writes.DataFlow(graph)
+    written = flow.written_placeholders()
     num_state = len(params) + len(buffers)
+    outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
+    split_at = len(outputs) - found["num_losses"]
     analysis = ModelAnalysis(
         output_spec=found["spec"], output_constants=found["constants"],
         written_buffers=[i - len(params) for i in written
                          if len(params) <= i < num_state],
         written_inputs=[i - num_state for i in written if i >= num_state],
         final_loss=None, params_reaching_loss=[],
-        blocks=blocks.with_layers_before(block_records, graph.nodes))
+        blocks=blocks.with_layers_before(block_records, graph.nodes),
+        stored_outputs=flow.stored_outputs(outputs[:split_at]))
     if training:
-        outputs = list(next(n for n in graph.nodes if n.op == "output").args[0])
-        split_at = len(outputs) - found["num_losses"]
-        flow = graph_writes.DataFlow(graph)
         start = _choose_backward_start(analysis, outputs[:split_at],
                                        outputs[split_at:], found["places"],
                                        flow)

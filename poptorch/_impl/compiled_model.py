@@ -328,19 +328,17 @@ class CompiledModel:
             state.params[index] = tensor
         state.optimizer = training.location.to_host(loop_state.optimizer)
 
-    def shape_outputs(self, tensors: List[torch.Tensor],
-                      host_inputs: List[torch.Tensor]):
+    def shape_outputs(self, tensors: List[torch.Tensor]):
         """The call's output tensors on the host, in the structure
         ``forward`` returned. Each is a tensor of its own, as the copies
         an IPU sends back are: an output that hands back an input (an id
         passed through, which a data loader's ring buffer overwrites with
-        later batches) or a weight is copied."""
+        later batches), a weight or a constant is copied."""
+        stored = self.analysis.stored_outputs
         with profile_range("device to host"):
-            host = [t.to("cpu") if t.device.type != "cpu" else t
-                    for t in tensors]
-        taken = _storages(host_inputs, self.state)
-        host = [t.clone() if t.untyped_storage().data_ptr() in taken else t
-                for t in host]
+            host = [t.to("cpu") if t.device.type != "cpu"
+                    else t.clone() if index in stored else t
+                    for index, t in enumerate(tensors)]
         if self.spec.training:
             host = as_training_outputs(host)
         values = iter(host)
@@ -462,13 +460,6 @@ def _compile_training(spec: ModelSpec, inputs: CompileInputs,
         stage_per_process))
     return CompiledTraining(training, optimizer_state, hyper, location,
                           processes.group is not None)
-
-
-def _storages(host_inputs: List[torch.Tensor], state: DeviceState) -> set:
-    """The storages of the call's inputs and of the model's weights and
-    first replica's buffers, which outputs must not share."""
-    return {t.untyped_storage().data_ptr()
-            for t in host_inputs + state.params + state.buffers[0]}
 
 
 def _autocast_policy(precision) -> Optional[Policy]:

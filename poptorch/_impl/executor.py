@@ -296,8 +296,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._loaded_version = self._sync.version
             _mark_optimizer_stepped(self._optimizer)
         return logged_output(compiled.model_call,
-                             compiled.shape_outputs(outputs,
-                                                    call.tensors()))
+                             compiled.shape_outputs(outputs))
 
     # --- weights --------------------------------------------------------------
     def copyWeightsToHost(self) -> None:

@@ -102,9 +102,7 @@ def roots_and_writes(graph: torch.fx.Graph
 def written_placeholders(graph: torch.fx.Graph) -> List[int]:
     """Indices of the inputs the graph writes to, directly or through
     views."""
-    _, writers = roots_and_writes(graph)
-    return [index for index, node in enumerate(
-        n for n in graph.nodes if n.op == "placeholder") if node in writers]
+    return DataFlow(graph).written_placeholders()
 
 
 def reachable(node: Node, neighbours: Callable[[Node], Iterable[Node]],
@@ -127,6 +125,7 @@ class DataFlow:
     counts for the reads that follow it)."""
 
     def __init__(self, graph: torch.fx.Graph) -> None:
+        self._placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self._order = {node: index for index, node in enumerate(graph.nodes)}
         self._root, self._writers = roots_and_writes(graph)
         self._aliases: Dict[Node, List[Node]] = {}
@@ -156,6 +155,20 @@ class DataFlow:
                     for user in alias.users
                     if self._order[user] > self._order[node]]
         return fed
+
+    def written_placeholders(self) -> List[int]:
+        """Indices of the inputs the graph writes to, directly or through
+        views."""
+        return [index for index, node in enumerate(self._placeholders)
+                if node in self._writers]
+
+    def stored_outputs(self, outputs: List[Node]) -> List[int]:
+        """Positions of the ``outputs`` nodes that are an input or a
+        constant of the graph, or a view of one: the graph hands back that
+        tensor itself, not a result of its own."""
+        return [index for index, node in enumerate(outputs)
+                if isinstance(node, Node) and self._root.get(node, node).op
+                in ("placeholder", "get_attr")]
 
     def ancestors(self, node: Node,
                   blocked: AbstractSet[Node] = frozenset()) -> Set[Node]:
