@@ -45,18 +45,16 @@ PyTorch.
 concatenated, int32 or int64; lengths as tensors, lists or tuples;
 unbatched inputs) and applies its reductions: "mean" divides each loss by
 its target length (at least 1) and averages over the batch. While a model
-is traced, ``static_ctc_loss`` routes ``F.ctc_loss`` calls to it.
+is traced, ``F.ctc_loss`` calls run it (``tracing_context.py``).
 ``graphcore_ctc`` is the ``Ctc`` op of ``poptorch.custom_op``'s
 ``ai.graphcore`` domain.
 """
-import contextlib
 import math
-from typing import Dict, Iterator, List, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from ..enums import ReductionType
 from ..errors import Error
@@ -392,24 +390,6 @@ def ctc_loss(log_probs: Tensor, targets: Tensor, input_lengths: Lengths,
     if reduction == "sum":
         return nll.sum()
     return nll if batched else nll[0]
-
-
-class _RouteCtcLoss(TorchFunctionMode):
-    """``F.ctc_loss`` -> ``ctc_loss``."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.ctc_loss:
-            return ctc_loss(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def static_ctc_loss() -> Iterator[None]:
-    """While a model is traced: its ``F.ctc_loss`` calls (``nn.CTCLoss``'s
-    included) run as ``ctc_loss``, whose shapes do not depend on the
-    targets' lengths."""
-    with _RouteCtcLoss():
-        yield
 
 
 #: ``reduction`` of the ai.graphcore ``Ctc`` op: a ``poptorch.ReductionType``

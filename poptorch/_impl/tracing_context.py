@@ -51,6 +51,7 @@ import warnings
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch._dynamo
+import torch.nn.functional as F
 import torch.nn.modules.transformer as transformer_module
 from torch.distributions import Distribution
 from torch.overrides import TorchFunctionMode
@@ -58,10 +59,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .ctc_loss import static_ctc_loss
+from .ctc_loss import ctc_loss
 from .data_dependent_ops import static_shape_operators
 from .tensor_copies import deepcopy_as_clone
-from .value_checks import without_value_checks
+from .value_checks import gaussian_nll_loss
 
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 _COMPILED_PART_HOOKS = "Using `torch.compile\\(module\\)` when there are global hooks"
@@ -198,6 +199,19 @@ def transformers_regular_path() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
+#: Functions that run as another while a model is traced (see the module
+#: documentation).
+_SUBSTITUTES = {F.ctc_loss: ctc_loss, F.gaussian_nll_loss: gaussian_nll_loss}
+
+
+class _Substitutes(TorchFunctionMode):
+    """Calls of the functions of ``_SUBSTITUTES`` (``nn.CTCLoss``'s and
+    ``nn.GaussianNLLLoss``'s included) run their substitutes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return _SUBSTITUTES.get(func, func)(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def fake_tracing() -> Iterator[None]:
     """The context of one trace with fake tensors."""
@@ -208,9 +222,9 @@ def fake_tracing() -> Iterator[None]:
     Distribution.set_default_validate_args(False)
     try:
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
-                warnings.catch_warnings(), static_ctc_loss(), \
+                warnings.catch_warnings(), _Substitutes(), \
                 static_shape_operators(), transformers_regular_path(), \
-                deepcopy_as_clone(), without_value_checks():
+                deepcopy_as_clone():
             # Automatic casting's global module hooks fire twice for a
             # compiled part, which torch warns of; its scopes stay balanced.
             warnings.filterwarnings("ignore", message=_COMPILED_PART_HOOKS)

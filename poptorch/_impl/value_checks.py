@@ -10,13 +10,10 @@ PyTorch's loss (the same variance shapes, the clamping of the variance to
 without its check that no variance is negative; a negative variance is
 clamped to ``eps`` like a small one.
 """
-import contextlib
 import math
-from typing import Iterator, Union
+from typing import Union
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 _REDUCTIONS = ("none", "mean", "sum")
 
@@ -58,18 +55,3 @@ def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor,
     if reduction == "sum":
         return loss.sum()
     return loss
-
-
-class _WithoutValueChecks(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.gaussian_nll_loss:
-            return gaussian_nll_loss(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def without_value_checks() -> Iterator[None]:
-    """While a model is traced: the functions above skip their checks of
-    tensor values."""
-    with _WithoutValueChecks():
-        yield
