@@ -122,14 +122,23 @@ def user_frame(frames: List[traceback.FrameSummary]
                ) -> Optional[traceback.FrameSummary]:
     """The innermost frame of the user's code among ``frames`` (outermost
     first)."""
+    index = innermost_user_file([frame.filename for frame in frames])
+    return None if index is None else frames[index]
+
+
+def innermost_user_file(filenames: Sequence[str]) -> Optional[int]:
+    """The index in ``filenames`` (outermost frame first) of the user's
+    innermost frame: the last whose file name contains none of the
+    source location excludes, else the last of a real file outside the
+    torch and poptorch packages."""
     excludes = _excludes.get()
-    for frame in reversed(frames):
-        if not _excluded(frame.filename, excludes):
-            return frame
-    for frame in reversed(frames):
-        if not frame.filename.startswith("<") and not os.path.abspath(
-                frame.filename).startswith(_PACKAGE_DIRS):
-            return frame
+    for index in reversed(range(len(filenames))):
+        if not _excluded(filenames[index], excludes):
+            return index
+    for index in reversed(range(len(filenames))):
+        if not filenames[index].startswith("<") and not os.path.abspath(
+                filenames[index]).startswith(_PACKAGE_DIRS):
+            return index
     return None
 
 
@@ -213,9 +222,17 @@ def capture_refusal(error: Exception) -> Optional[Error]:
                  f"{location}, the model {problem}.{_hint(frames)}")
 
 
-def locate(error: Exception) -> None:
+_LOCATED = "Raised while poptorch captured the model, at "
+
+
+def locate(error: Exception,
+           frame: Optional[traceback.FrameSummary] = None) -> None:
     """Add the user's source line to ``error``, raised while the model was
-    traced, as a note."""
-    frames = traceback.extract_tb(error.__traceback__)
-    add_note(error, "Raised while poptorch captured the model, at "
-             f"{describe_frame(user_frame(frames))}")
+    traced, as a note: ``frame``, else the user's innermost frame of the
+    error's traceback; an error located already keeps its note."""
+    if any(note.startswith(_LOCATED)
+           for note in getattr(error, "__notes__", ())):
+        return
+    if frame is None:
+        frame = user_frame(traceback.extract_tb(error.__traceback__))
+    add_note(error, _LOCATED + describe_frame(frame))

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from ..errors import Error
-from . import compile_errors, tracing_context
+from . import compile_errors, traced_warnings, tracing_context
 from .backends.backend import CompiledStep
 from .backends.in_place import Donation
 from .backends.selection import ENVIRONMENT_VARIABLE, select_backend
@@ -242,15 +242,17 @@ def compile_session(options, training: bool,
                     precompiled: Optional[Dict[str, PrecompiledStep]] = None,
                     precompiled_source: str = ""
                     ) -> Iterator[CompileSession]:
-    """A session for one compilation, with capture errors located by the
-    options' ``sourceLocationExcludes`` and the model's constant tensors
+    """A session for one compilation, with capture errors and warnings
+    located by the options' ``sourceLocationExcludes`` (the warnings issued
+    when it ends, ``traced_warnings.py``) and the model's constant tensors
     captured on its device."""
     session = CompileSession(options, training, precompiled,
                              precompiled_source)
-    try:
-        with compile_errors.source_location_excludes(
-                options.source_location_excludes), \
-                tracing_context.capture_device(session.device):
-            yield session
-    finally:
-        session.close()
+    with traced_warnings.compilation():
+        try:
+            with compile_errors.source_location_excludes(
+                    options.source_location_excludes), \
+                    tracing_context.capture_device(session.device):
+                yield session
+        finally:
+            session.close()

@@ -47,7 +47,6 @@
 import contextlib
 import contextvars
 import logging
-import warnings
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch._dynamo
@@ -59,6 +58,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import traced_warnings
 from .ctc_loss import ctc_loss
 from .data_dependent_ops import static_shape_operators
 from .tensor_copies import deepcopy_as_clone
@@ -221,13 +221,12 @@ def fake_tracing() -> Iterator[None]:
     validate = Distribution._validate_args
     Distribution.set_default_validate_args(False)
     try:
+        # Automatic casting's global module hooks fire twice for a compiled
+        # part, which torch warns of; its scopes stay balanced.
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
-                warnings.catch_warnings(), _Substitutes(), \
-                static_shape_operators(), transformers_regular_path(), \
-                deepcopy_as_clone():
-            # Automatic casting's global module hooks fire twice for a
-            # compiled part, which torch warns of; its scopes stay balanced.
-            warnings.filterwarnings("ignore", message=_COMPILED_PART_HOOKS)
+                traced_warnings.tracing((_COMPILED_PART_HOOKS,)), \
+                _Substitutes(), static_shape_operators(), \
+                transformers_regular_path(), deepcopy_as_clone():
             yield
     finally:
         Distribution.set_default_validate_args(validate)
