@@ -48,11 +48,31 @@ class EncoderLayer(torch.nn.Module):
         return out, F.cross_entropy(out, y)
 
 
+class MaskedAttention(torch.nn.Module):
+    """Calls F.scaled_dot_product_attention with a boolean mask (True
+    attends): each sample sees only its first keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y=None):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        mask = (torch.arange(x.shape[1]) < 4).expand(x.shape[1], -1)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = self.out(h.transpose(1, 2).flatten(2).mean(1))
+        if y is None:
+            return out
+        return out, F.cross_entropy(out, y)
+
+
 def _no_vmap_fallback(caught):
     return not [w for w in caught if "performance drop" in str(w.message)]
 
 
-@pytest.mark.parametrize("model_class", [OwnAttention, EncoderLayer])
+@pytest.mark.parametrize("model_class",
+                         [OwnAttention, MaskedAttention, EncoderLayer])
 def test_replicas_train_attention_like_plain_pytorch(model_class):
     """R = 4, 2 device iterations: weights equal plain PyTorch's on the
     same micro-batches (atol 1e-6), and vmap never falls back to a loop."""

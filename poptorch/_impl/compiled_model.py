@@ -43,6 +43,7 @@ from .logger import info_once
 from .optimizers.optimizer_state import OptimizerDeviceState
 from .optimizers.plan import OptimizerPlan
 from .optimizers.state_location import OptimizerStateLocation
+from .parameter_hooks import hooked_parameters
 from .outputs import (OutputCollector, as_training_outputs,
                       check_return_period, resolve_output_mode)
 from .perf_counters import CallTimer
@@ -144,7 +145,7 @@ class CompiledModel:
                 analysis.written_buffers,
                 spec.options.broadcast_buffers and layout.replicas > 1)
         replicas = ReplicaExecution.choose(layout, analysis, spec.training,
-                                           grouped)
+                                           grouped, hooked_parameters(module))
         compile_inputs = CompileInputs(model_call, analysis, state, micro,
                                        inputs, layout, replicas, session,
                                        spec.training_flags)

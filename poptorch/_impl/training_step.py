@@ -294,6 +294,7 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
                         accumulated: bool,
                         forward: Optional[Callable] = None,
                         combine_losses: Optional[Callable] = None,
+                        gradient_divisor: float = 1.0,
                         exchange: Optional[GradientExchange] = None
                         ) -> torch.fx.GraphModule:
     """Trace one micro-batch step; ``update`` selects the optimizer-step
@@ -301,7 +302,8 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
     ``forward(params, buffers, inputs)`` replaces ``micro_batch_forward``
     (replicas run it vectorised, see ``replication/replicas.py``), and
     ``combine_losses`` turns the losses it returns (one per replica) into
-    the value the backward pass starts from;
+    the value the backward pass starts from, whose gradients are divided
+    by ``gradient_divisor``;
     ``exchange`` combines the step's gradients with other processes' (in
     an n-process run): before the update, or, when it shards the running
     buffer, as each micro-batch's are added to it; its collectives start
@@ -343,6 +345,8 @@ def trace_training_step(call: ModelCall, analysis: ModelAnalysis,
             value = scaling.scale_loss(value,
                                        settings.gradients.loss_factor())
             grads = _gradients(value, trainable)
+        if gradient_divisor != 1.0:
+            grads = torch._foreach_div(grads, gradient_divisor)
         outputs = [t.detach() for t in outputs]
         if rows_done:
             grads = exchange.reduce_micro_batch(

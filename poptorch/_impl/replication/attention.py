@@ -7,7 +7,8 @@ runs the kernel once per replica, in a loop, and warns about the
 performance drop. While the vectorised forward pass is traced, attention
 on CPU tensors therefore runs as PyTorch's reference formulation of the
 same function (``aten._scaled_dot_product_attention_math``: matrix
-products, the mask, a softmax and dropout), whose operations have batching
+products, the mask, a softmax and dropout; a boolean mask made additive
+first, as the public function does), whose operations have batching
 rules, so the replicas' attention is one batched computation. Its results
 equal the fused kernel's up to rounding. CUDA attention is left to
 PyTorch.
@@ -40,6 +41,10 @@ def _attention(query: Tensor, key: Tensor, value: Tensor,
     if query.device.type != "cpu":
         return _FUSED(query, key, value, attn_mask, dropout_p, is_causal,
                       scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # As the public function does before any kernel: True attends.
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype) \
+            .masked_fill(attn_mask.logical_not(), float("-inf"))
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
         enable_gqa=enable_gqa)[0]

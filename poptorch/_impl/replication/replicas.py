@@ -18,21 +18,23 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   (BatchNorm in training runs each replica's slice through PyTorch's kernel
   without the batching rule's copies, ``batch_norm.py``; CPU
   attention runs as operations vmap batches, ``attention.py``).
-  The backward pass starts from the replicas' mean loss for
-  ``ReductionType.Mean`` (their sum for ``Sum``), so the step is one
-  micro-batch of the G in an optimizer step (``step_replicas``): since the
-  gradient of a mean is the mean of the gradients, the result is the mean
-  over G x R micro-batches of the sequential path, with no running gradient
-  buffer when G = 1. Per-replica written buffers are stacked along the
-  replica dimension for the call. This is the fused batch with an exact
+  The backward pass starts from the sum of the replicas' losses, so that
+  each replica's starts from its own loss as on the sequential path, and
+  for ``ReductionType.Mean`` the gradients are divided by R: the step is
+  one micro-batch of the G in an optimizer step (``step_replicas``), whose
+  gradients are the mean over its R micro-batches of the sequential path's,
+  with no running gradient buffer when G = 1. Per-replica written buffers
+  are stacked along the replica dimension for the call. This is the fused batch with an exact
   loss correction, without analysing the loss: the per-replica losses exist
   in the graph, so every ``OutputMode`` gets them.
 * sequential: the replicas' steps run one after another in the device
   loop. It is used when vectorising would change the results (``forward``
-  writes its input tensors in place) or when
+  writes its input tensors in place, or a parameter has gradient hooks,
+  ``parameter_hooks.py``) or when
   vmap cannot trace the model (for example an ``autograd.Function`` without
-  a vmap rule, or ``torch.utils.checkpoint``, which recomputes part of the
-  forward pass in the backward pass, outside vmap): the first step is
+  a vmap rule, ``torch.utils.checkpoint``, which recomputes part of the
+  forward pass in the backward pass, outside vmap, or gradient hooks on
+  activations, ``autograd_queries.py``): the first step is
   traced vectorised and, if that fails, traced again on the sequential
   path; the reason is logged at DEBUG.
 
@@ -47,7 +49,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
-from ...enums import ReductionType, VariableRetrievalMode
+from ...enums import (MeanReductionStrategy, ReductionType,
+                      VariableRetrievalMode)
 from ...errors import Error
 from ..batching import BatchLayout
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
@@ -55,8 +58,10 @@ from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                        trace_user_code)
 from ..distributed.gradients import GradientExchange
 from ..logger import logger
+from ..optimizers.gradient_reduction import GradientReduction
 from ..outputs import OutputCollector
 from .attention import batched_attention
+from .autograd_queries import answered_per_replica
 from .batch_norm import per_replica_statistics
 from .grouping import GroupedWeights, ReplicaGrouping
 from ..training_step import micro_batch_forward, trace_training_step
@@ -166,11 +171,13 @@ class ReplicaExecution:
 
     @staticmethod
     def choose(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
-               grouped: GroupedWeights) -> "ReplicaExecution":
-        """Pick the path for this model. A vectorised model may still fall
+               grouped: GroupedWeights,
+               hooked: List[str]) -> "ReplicaExecution":
+        """Pick the path for this model (``hooked``: the names of its
+        parameters with gradient hooks). A vectorised model may still fall
         back to the sequential path when its first step is traced
         (``fall_back``): vmap cannot trace every model."""
-        path, reason = _path_for(layout, analysis, training, grouped)
+        path, reason = _path_for(layout, analysis, training, grouped, hooked)
         if path == SEQUENTIAL and grouped:
             raise Error(_grouped_needs_vectorised(reason))
         return ReplicaExecution(layout, analysis, grouped, path, reason)
@@ -179,7 +186,7 @@ class ReplicaExecution:
     def step_replicas(self) -> int:
         """Replicas per captured micro-batch step: R on the sequential
         path; 1 on the vectorised path, whose step is one micro-batch of
-        the replicas' mean (or, for ReductionType.Sum, summed) loss."""
+        the replicas' combined gradients (``_combined_loss``)."""
         return 1 if self.path == VECTORISED else self.layout.replicas
 
     @property
@@ -233,7 +240,8 @@ class ReplicaExecution:
             params, inputs, param_dims, input_dims = self._per_replica(
                 params, inputs, reduction)
             dims = (param_dims, self._written_dims(len(buffers)), input_dims)
-            with per_replica_statistics(), batched_attention():
+            with per_replica_statistics(), batched_attention(), \
+                    answered_per_replica():
                 return torch.func.vmap(micro, in_dims=dims,
                                        randomness="different")(
                                            params, buffers, inputs)
@@ -241,13 +249,23 @@ class ReplicaExecution:
         return forward
 
     @staticmethod
-    def _combined_loss(reduction: ReductionType) -> Callable:
-        """The vectorised step's loss from the replicas' [R] losses: their
-        mean for ``ReductionType.Mean`` (the step is one micro-batch, see
-        ``step_replicas``), their sum for ``Sum``."""
-        if reduction == ReductionType.Sum:
-            return torch.sum
-        return torch.mean
+    def _combined_loss(gradients: GradientReduction, replicas: int
+                       ) -> Tuple[Callable, float]:
+        """How the vectorised step's backward pass starts from the
+        replicas' [R] losses, and what its gradients are then divided by.
+        Each replica's backward pass starts from its own loss, as on the
+        sequential path and in PopTorch, so that a custom backward that is
+        not linear in its incoming gradient sees the same gradient: the
+        losses are summed, and for ``ReductionType.Mean`` the gradients
+        divided by R (the step is one micro-batch of the G, see
+        ``step_replicas``). The deprecated
+        ``MeanReductionStrategy.PostAndLoss`` divides the loss by R before
+        the backward pass: the step starts from the losses' mean."""
+        if gradients.reduction == ReductionType.Sum:
+            return torch.sum, 1.0
+        if gradients.strategy == MeanReductionStrategy.PostAndLoss:
+            return torch.mean, 1.0
+        return torch.sum, float(replicas)
 
     # --- tracing ------------------------------------------------------------
     def trace_training(self, call: ModelCall, training, settings,
@@ -267,13 +285,15 @@ class ReplicaExecution:
             vector_example = dict(example,
                                   buffers=self._stacked_buffers(buffer_sets),
                                   inputs=self._example_inputs(split))
+            combine, divisor = self._combined_loss(
+                settings.gradients, self.layout.replicas)
             with _vmap_failures_as_errors():
                 return trace_training_step(
                     call, self.analysis, training, settings, vector_example,
                     flags, update=update, accumulated=accumulated,
                     forward=self._vectorised_forward(call,
                                                      settings.reduction),
-                    combine_losses=self._combined_loss(settings.reduction),
+                    combine_losses=combine, gradient_divisor=divisor,
                     exchange=exchange)
         return trace_training_step(call, self.analysis, training, settings,
                                    example, flags, update=update,
@@ -373,9 +393,14 @@ def _vmap_failures_as_errors() -> Iterator[None]:
 
 
 def _path_for(layout: BatchLayout, analysis: ModelAnalysis, training: bool,
-              grouped: GroupedWeights) -> Tuple[str, str]:
+              grouped: GroupedWeights,
+              hooked: List[str]) -> Tuple[str, str]:
     if layout.replicas == 1 and not grouped:
         return SINGLE, "one replica"
+    if training and hooked:
+        return SEQUENTIAL, (f"parameters have gradient hooks ({hooked[0]}"
+                            f"{', ...' if len(hooked) > 1 else ''}), which "
+                            "apply to each replica's own gradients")
     if analysis.written_inputs:
         return SEQUENTIAL, ("forward writes to its input tensors in place; "
                             "each replica writes its own slice in turn")

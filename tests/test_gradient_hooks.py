@@ -1,0 +1,87 @@
+"""Gradient hooks and custom backward functions see each micro-batch's own
+gradient, as in plain PyTorch, whatever the replication factor and the
+gradient accumulation: hooks on activations (``Tensor.register_hook``,
+module backward hooks), hooks on parameters, and ``autograd.Function``s
+with vmap rules whose backward is not linear in the incoming gradient."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import poptorch
+from conftest import assert_same_weights, make_data, options
+
+CLIP = 0.02
+
+
+def clip(gradient):
+    return gradient.clamp(-CLIP, CLIP)
+
+
+class ClipGradient(torch.autograd.Function):
+    """Identity forward; the incoming gradient clipped (not linear)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return clip(gradient)
+
+
+class Hooked(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.hidden = torch.nn.Linear(4, 6)
+        self.out = torch.nn.Linear(6, 3)
+        if kind == "module":
+            self.out.register_full_backward_hook(
+                lambda module, grad_in, grad_out: (clip(grad_in[0]),))
+        if kind == "parameter":
+            self.hidden.weight.register_hook(clip)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.hidden(x))
+        if self.kind == "tensor" and h.requires_grad:
+            h.register_hook(clip)
+        if self.kind == "function":
+            h = ClipGradient.apply(h)
+        logits = self.out(h)
+        return logits, F.cross_entropy(logits, y)
+
+
+def _reference_step(model, optimizer, x, y, micro_batches):
+    """One plain-PyTorch optimizer step: each micro-batch's backward pass
+    starts from its own loss, the gradients' mean is applied."""
+    optimizer.zero_grad()
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        model(xs, ys)[1].backward()
+    for parameter in model.parameters():
+        parameter.grad /= micro_batches
+    optimizer.step()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "module", "parameter",
+                                  "function"])
+@pytest.mark.parametrize("accumulation,replicas", [(1, 2), (2, 2), (2, 1)])
+def test_hooks_apply_to_each_micro_batch(kind, accumulation, replicas):
+    torch.manual_seed(0)
+    net, twin = Hooked(kind), Hooked(kind)
+    twin.load_state_dict(net.state_dict())
+    model = poptorch.trainingModel(
+        net, options(accumulation=accumulation, replicas=replicas),
+        torch.optim.SGD(net.parameters(), lr=0.5))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    micro_batches = accumulation * replicas
+    for seed in range(2):
+        x, y = make_data(4 * micro_batches, seed=seed)
+        model(x, y)
+        _reference_step(twin, optimizer, x, y, micro_batches)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
