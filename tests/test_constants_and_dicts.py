@@ -2,6 +2,8 @@
 attributes) and taking dict arguments compute what plain PyTorch computes;
 dict arguments are matched by key, as PopTorch flattens them."""
 import collections
+import dataclasses
+from typing import Optional
 
 import pytest
 import torch
@@ -214,3 +216,59 @@ def test_dict_subclass_output_keeps_its_structure():
     assert out.keys() == {"doubled", "nested"}
     torch.testing.assert_close(out["doubled"], x * 2, atol=0, rtol=0)
     torch.testing.assert_close(out["nested"]["plus"], x + 1, atol=0, rtol=0)
+
+
+@dataclasses.dataclass
+class _ModelOutput(collections.OrderedDict):
+    """As Hugging Face's ModelOutput: a dataclass and an OrderedDict whose
+    items are its fields that are not None."""
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) is not None:
+                self[field.name] = getattr(self, field.name)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+class _Scores(dict):
+    """A plain dict subclass."""
+
+
+class _ReturnsDictTypes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y=None):
+        logits = self.fc(x)
+        scores = _Scores(top=logits.amax(dim=1))
+        if y is None:
+            return _ModelOutput(logits=logits), scores
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        return _ModelOutput(loss=loss, logits=logits), scores
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_returned_dict_subclasses_keep_their_types(training):
+    """A ModelOutput-like dataclass dict and a dict subclass come back as
+    themselves (out.loss, out[0] work), holding what the module returns."""
+    torch.manual_seed(0)
+    net = _ReturnsDictTypes()
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    args = (x, y) if training else (x,)
+    expected = net(*args)
+    model = (poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.0)) if training
+             else poptorch.inferenceModel(net))
+    output, scores = model(*args)
+    assert type(output) is _ModelOutput and type(scores) is _Scores
+    assert list(output.keys()) == list(expected[0].keys())
+    torch.testing.assert_close(output.logits, expected[0].logits)
+    torch.testing.assert_close(scores["top"], expected[1]["top"])
+    if training:
+        torch.testing.assert_close(output.loss, expected[0].loss)

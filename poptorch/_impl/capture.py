@@ -37,6 +37,7 @@ from .precision.automatic_casting import AutomaticCasting, Policy
 from .precision.half_casting import MixedPrecisionCasting
 from .names import module_scopes
 from .profiling.ranges import profile_range
+from .parameter_hooks import register_hooks
 from .recurrent_layers import RecurrentLayersAsOps
 from .signature import flattenable
 from .state_writes import in_place_state_writes
@@ -64,10 +65,13 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
 
     Attributes that ``forward`` assigns while it is traced (the spec's
     ``model.i`` example) are frozen into the graph and restored on the host
-    module afterwards, so no traced value leaks into it."""
+    module afterwards, so no traced value leaks into it; so are the
+    module's parameters and buffers, which the trace replaces with its own
+    tensors (torch's reparametrization, left to itself, leaves a traced
+    tensor in a submodule reachable under two names)."""
     with host_reads_suspended():
         modules = dict(module.named_modules())
-    saved = {name: dict(m.__dict__) for name, m in modules.items()}
+    saved = {name: _ModuleState(m) for name, m in modules.items()}
     records: List[blocks.BlockRecord] = []
     _capturing[0] += 1
     blocks.begin_capture()
@@ -83,9 +87,26 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
     finally:
         records.extend(blocks.end_capture())
         _capturing[0] -= 1
-        for name, attributes in saved.items():
-            modules[name].__dict__.clear()
-            modules[name].__dict__.update(attributes)
+        for name, state in saved.items():
+            state.restore(modules[name])
+
+
+class _ModuleState:
+    """A module's attributes, parameters and buffers (those a scripted
+    module holds in TorchScript are left to it)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.attributes = dict(module.__dict__)
+        self.tensors = [(held, dict(held)) for held in
+                        (module._parameters, module._buffers)
+                        if isinstance(held, dict)]
+
+    def restore(self, module: torch.nn.Module) -> None:
+        module.__dict__.clear()
+        module.__dict__.update(self.attributes)
+        for held, saved in self.tensors:
+            held.clear()
+            held.update(saved)
 
 
 def trace(fn: Callable, example_inputs: Sequence[torch.Tensor],
@@ -180,7 +201,10 @@ class ModelCall:
         ``torch.utils.checkpoint`` runs parts of ``forward`` again: without
         them, the recomputation would read the module's own tensors as
         constants, stale after the first update, and compute without the
-        forward pass's casts."""
+        forward pass's casts. The parameters' gradient hooks apply to
+        ``params`` (``parameter_hooks.py``)."""
+        register_hooks([self.module.get_parameter(name)
+                        for name in self.param_names], params)
         state = dict(zip(self.param_names, params))
         state.update(zip(self.buffer_names, buffers))
         with torch.nn.utils.stateless._reparametrize_module(
@@ -305,7 +329,8 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         p, b, x = split_flat(flat, [len(params), len(buffers)])
         with losses.LossRecorder() as recorder:
             output = call(p, b, x)
-        leaves, found["spec"] = pytree.tree_flatten(flattenable(output))
+        leaves, found["spec"] = pytree.tree_flatten(
+            flattenable(output, keep_dict_types=True))
         found["constants"] = [
             TENSOR_LEAF if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves]

@@ -6,12 +6,14 @@ Dict arguments are flattened by key, as PopTorch flattens them: a later call
 whose dicts hold the compiled keys in another order, or whose dicts are of
 another standard type (``dict``, ``OrderedDict``, ``defaultdict``), matches
 the compiled call key by key. Other subclasses of ``dict``, which
-``torch.utils._pytree`` does not know, reach ``forward`` as plain dicts.
+``torch.utils._pytree`` does not know, reach ``forward`` as plain dicts;
+returned by the model, they keep their type (``DictOfType``).
 
 A value whose type has a parser registered with
 ``poptorch.registerCustomArgParser`` is flattened by that parser
 (``custom_args.py``): its tensors are named by the attribute holding them
 (``batch.x``), and its plain attributes are compiled in."""
+import copy
 import dataclasses
 import functools
 import inspect
@@ -104,20 +106,54 @@ def _replaced_node(value: Any) -> bool:
     return _unknown_dict(value) or has_parser(value)
 
 
-def flattenable(tree: Any) -> Any:
+def flattenable(tree: Any, keep_dict_types: bool = False) -> Any:
     """``tree`` as ``torch.utils._pytree`` is to flatten it: each dict of a
     type pytree does not know (a subclass of ``dict`` or ``OrderedDict``)
     as a plain dict, so that its values are flattened rather than taken as
-    one leaf, and each value of a type with a registered custom parser as a
-    ``CustomArgument``, flattened by its parser."""
+    one leaf, or, with ``keep_dict_types`` (a model's outputs), as a
+    ``DictOfType`` that unflattens to its own type again; each value of a
+    type with a registered custom parser as a ``CustomArgument``, flattened
+    by its parser."""
     def replace(value: Any) -> Any:
         if _unknown_dict(value):
-            return {key: flattenable(item) for key, item in value.items()}
+            items = {key: flattenable(item, keep_dict_types)
+                     for key, item in value.items()}
+            return DictOfType(value, items) if keep_dict_types else items
         if has_parser(value):
             return CustomArgument(value)
         return value
 
     return pytree.tree_map(replace, tree, is_leaf=_replaced_node)
+
+
+class DictOfType:
+    """A dict of a type pytree does not know (a Hugging Face
+    ``ModelOutput``, a user's ``dict`` subclass) among a model's outputs:
+    flattened as its values, unflattened as a shallow copy of the dict
+    first returned, holding the new values (so its type, attributes and
+    ``__setitem__`` behaviour are the model's)."""
+
+    def __init__(self, original: dict, items: Dict[Any, Any]) -> None:
+        self.items = items
+        self.template = copy.copy(original)
+        for key in items:
+            self.template[key] = None
+
+
+def _flatten_dict_of_type(node: DictOfType):
+    return list(node.items.values()), (node.template, list(node.items))
+
+
+def _unflatten_dict_of_type(values, context) -> dict:
+    template, keys = context
+    rebuilt = copy.copy(template)
+    for key, value in zip(keys, values):
+        rebuilt[key] = value
+    return rebuilt
+
+
+pytree.register_pytree_node(DictOfType, _flatten_dict_of_type,
+                            _unflatten_dict_of_type)
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,6 +242,21 @@ class InputSignature:
                     f"{expected.describe()}, got {_describe_value(given)}. "
                     "Only tensor values may change between calls; call "
                     "destroy() on the model to compile it again.")
+
+    def fewer_rows(self, call: CallArguments) -> Optional[str]:
+        """The first tensor argument of ``call`` (with the compiled
+        structure) that has fewer rows in dimension 0 than compiled, and
+        otherwise the compiled shape; else None."""
+        if call.spec != self.spec:
+            return None
+        for path, expected, given in zip(self.paths, self.leaves, call.leaves):
+            if (isinstance(expected, TensorLeaf) and
+                    isinstance(given, torch.Tensor) and
+                    given.dim() == len(expected.shape) > 0 and
+                    given.shape[0] < expected.shape[0] and
+                    tuple(given.shape[1:]) == expected.shape[1:]):
+                return path
+        return None
 
     @staticmethod
     def _structure(spec) -> str:
