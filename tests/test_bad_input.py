@@ -53,14 +53,20 @@ def test_changed_arguments_after_compile(trained, bad_call, match):
     assert_unchanged(model, snapshot)
 
 
-def test_an_incomplete_last_batch_names_the_multiple_after_compile(mlp):
+@pytest.mark.parametrize("rows,match", [
+    (5, r"5 rows in dimension 0, which is not a multiple of "
+        r"deviceIterations \(4\)"),
+    (4, r"changed after compilation")])
+def test_an_incomplete_last_batch_is_named_after_compile(mlp, rows, match):
     """A data loader's last batch of fewer rows (drop_last=False): the
-    error says why the rows cannot be cut into the call's micro-batches."""
+    error says why the rows do not fit the compiled call, and that this is
+    what an incomplete last batch does."""
     model = poptorch.inferenceModel(mlp, options(4))
     model(make_data(8)[0])
-    with pytest.raises(poptorch.Error, match=r"5 rows in dimension 0, which "
-                       r"is not a multiple of deviceIterations \(4\)"):
-        model(make_data(5)[0])
+    with pytest.raises(poptorch.Error, match=match) as info:
+        model(make_data(rows)[0])
+    assert "incomplete last batch of a data loader" in str(info.value)
+    assert "drop_last=True" in str(info.value)
 
 
 def test_non_tensor_argument_change_is_an_error():

@@ -60,12 +60,13 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._module = module
         self._training = training
         self._poptorch_version = poptorch_version
-        # The modules' train/eval flags the model runs with: given (a
-        # model saved and loaded again), else the module's now or at the
-        # first call.
-        self._training_flags: Optional[Dict[str, bool]] = (
-            training_flags if training_flags is not None
-            else None if modes_at_first_call else _training_flags(module))
+        # The train/eval flags the model runs with (``_modes``): given (a
+        # model saved and loaded again), else read when it compiles.
+        self._given_flags = training_flags
+        self._own_mode: Optional[bool] = (None if modes_at_first_call
+                                          else module.training)
+        self._flags_at_wrap = _training_flags(module)
+        self._training_flags: Optional[Dict[str, bool]] = training_flags
         self._optimizer = optimizer
         self._plan: Optional[OptimizerPlan] = (
             plan_optimizer(optimizer, _host_params(module))
@@ -158,14 +159,57 @@ class PoplarExecutor(CompiledExecutionMethods):
                 torch.inference_mode(False):
             self._prepare_host_weights()
             self._plan_trainable_parameters()
-            if self._training_flags is None:
-                self._training_flags = _training_flags(self._module)
+            self._training_flags = self._modes()
             compiled = CompiledModel.build(self._spec(), call, session)
             self._use_compiled(compiled)
         self._profile.compiled(compiled)
         logger.debug("Compiled %s model in %.2f s on %s",
                      "training" if self._training else "inference",
                      time.perf_counter() - start, compiled.state.device)
+
+    def _modes(self) -> Dict[str, bool]:
+        """The train/eval flags the model compiles with: a loaded model's
+        own; else those of PopTorch's shallow copy of the module: the
+        module's own ``training`` flag as it was when wrapped (a primitive
+        the copy does not share), its sub-modules' flags as they are now
+        (the copy shares the sub-modules). A change since wrapping is
+        reported, since the guide asks for ``model.train()`` or
+        ``model.eval()`` before wrapping."""
+        if self._given_flags is not None:
+            return self._given_flags
+        flags = _training_flags(self._module)
+        if self._own_mode is None:
+            return flags
+        changed = [name for name, flag in flags.items()
+                   if self._flags_at_wrap.get(name, flag) != flag]
+        flags[""] = self._own_mode
+        if changed:
+            warn_once(_modes_changed(self._module, self._training, changed,
+                                     flags))
+        return flags
+
+    def train(self, mode: bool = True) -> "PoplarExecutor":
+        """``torch.nn.Module.train`` of the wrapped model, as PopTorch runs
+        it on its shallow copy of the module: the copy's own flag and its
+        sub-modules' (which the module shares) take ``mode``. The model
+        runs in it from its next compilation: its first call, or the first
+        after ``destroy()``. Returns the wrapper."""
+        self._given_flags = None
+        self._own_mode = mode
+        for child in self._module.children():
+            child.train(mode)
+        self._flags_at_wrap = dict(_training_flags(self._module), **{"": mode})
+        if self._compiled is not None and \
+                set(self._training_flags.values()) != {mode}:
+            warn_once(f"{type(self).__name__}.train({mode}) was called on a "
+                      "compiled model, which keeps the modes it was compiled "
+                      "with: call destroy() on it, and the next call "
+                      "compiles it in the new mode")
+        return self
+
+    def eval(self) -> "PoplarExecutor":
+        """``train(False)``."""
+        return self.train(False)
 
     def _use_compiled(self, compiled: CompiledModel) -> None:
         """``compiled`` is this model's from now on (before the
@@ -236,11 +280,22 @@ class PoplarExecutor(CompiledExecutionMethods):
         parameters and sub-modules as compiled; a change of
         ``requires_grad`` is reported once. Rows that do not fill the
         call's micro-batches are reported as such (an incomplete last
-        batch of a data loader)."""
-        layout = self._compiled.layout
-        for position in call.tensor_positions():
-            layout.check(call.paths[position], call.leaves[position])
-        self._compiled.signature.check(call)
+        batch of a data loader), with a hint saying so."""
+        layout, signature = self._compiled.layout, self._compiled.signature
+        try:
+            for position in call.tensor_positions():
+                layout.check(call.paths[position], call.leaves[position])
+            signature.check(call)
+        except Error as error:
+            short = signature.fewer_rows(call)
+            if short is None:
+                raise
+            raise Error(f"{error} Argument '{short}' has fewer rows than "
+                        "the compiled call, as the incomplete last batch "
+                        "of a data loader has: poptorch.DataLoader leaves "
+                        "it out by default (drop_last=True), "
+                        "torch.utils.data.DataLoader does with "
+                        "drop_last=True.") from None
         if self._sync.structure != self._structure:
             raise Error(
                 "A parameter or sub-module of the wrapped "
@@ -496,9 +551,41 @@ def _check_mode_options(options, training: bool) -> None:
 
 
 def _training_flags(module: torch.nn.Module) -> Dict[str, bool]:
-    """The ``training`` flag of ``module`` and each of its sub-modules: the
-    modes a model runs in whatever the module's flags become later."""
+    """The ``training`` flag of ``module`` (name "") and each of its
+    sub-modules."""
     return {name: m.training for name, m in module.named_modules()}
+
+
+def _modes_changed(module: torch.nn.Module, training: bool,
+                   changed: List[str], flags: Dict[str, bool]) -> str:
+    """The warning for modes ``changed`` after wrapping, ``flags`` those
+    the model compiles with."""
+    names = [name for name in changed if name]
+    layers = [name for name in names
+              if not any(module.get_submodule(name).children())] or names
+    shown = ", ".join(
+        f"{name} ({type(module.get_submodule(name)).__name__}): "
+        f"{_mode(flags[name])}" for name in layers[:3])
+    if len(layers) > 3:
+        shown += f" and {len(layers) - 3} more"
+    parts = []
+    if names:
+        parts.append(f"its sub-modules in the modes they have now ({shown})")
+    if "" in changed:
+        parts.append(f"the module's own flag as it was when wrapped "
+                     f"({_mode(flags[''])})")
+    wrapper = "trainingModel" if training else "inferenceModel"
+    return (f"The train/eval modes of the wrapped {type(module).__name__} "
+            f"changed after {wrapper}() wrapped it. The model compiles with "
+            f"{', and '.join(parts)}: PopTorch wraps a shallow copy of the "
+            "module, which shares the sub-modules but not the module's own "
+            "training flag. Call model.train() or model.eval() as required "
+            "before wrapping, or poptorch_model.train()/eval() before the "
+            "model's first call")
+
+
+def _mode(training: bool) -> str:
+    return "training" if training else "evaluation"
 
 
 def _rebuild_executor(module, options, training, optimizer,

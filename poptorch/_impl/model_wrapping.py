@@ -43,10 +43,10 @@ def trainingModel(model: Union[torch.nn.Module, PoplarExecutor],
 def inferenceModel(model: Union[torch.nn.Module, PoplarExecutor],
                    options=None) -> PoplarExecutor:
     """Wrap ``model`` for inference: each call runs the forward pass for
-    every micro-batch of the call, in the modes (``training`` flags) the
-    module and its sub-modules had when it was wrapped: later ``train()``
-    or ``eval()`` calls on the module do not change it (as PopTorch's
-    shallow copy).
+    every micro-batch of the call, in the modes (``training`` flags) of
+    PopTorch's shallow copy of the module: the module's own flag as it was
+    when wrapped, its sub-modules' as they are when the model compiles
+    (``docs/semantics.md``).
 
     A wrapped model given as ``model`` stands for the module it wraps: the
     new model shares its weights, and takes the modes the module has at

@@ -1,0 +1,78 @@
+"""Train/eval modes follow PopTorch's shallow copy of the module: the
+module's own ``training`` flag as it was when wrapped, its sub-modules'
+flags (shared with the copy) as they are when the model compiles; a change
+after wrapping is logged; ``poptorch_model.train()``/``eval()`` set both."""
+import copy
+
+import torch
+
+import poptorch
+from conftest import BatchNormNet, make_images, options
+
+
+class TopLevelBranch(torch.nn.Module):
+    """Reads its own ``training`` flag; a Dropout sub-module."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.9)
+
+    def forward(self, x):
+        h = self.drop(self.fc(x))
+        return h * 2 if self.training else h
+
+
+def test_sub_modules_modes_are_read_at_compilation(poptorch_log):
+    """A Dropout put in training mode between wrapping and the first call
+    is active in the inference model; the module's own flag stays the one
+    it had when wrapped, and the change is logged."""
+    torch.manual_seed(0)
+    net = TopLevelBranch().eval()
+    model = poptorch.inferenceModel(net)
+    net.train()
+    x = torch.ones(64, 4)
+    out = model(x)
+    fc = net.fc(x)
+    assert bool((out == 0).any())
+    kept = out != 0
+    torch.testing.assert_close(out[kept], (fc / 0.1)[kept])
+    assert "drop (Dropout): training" in poptorch_log.text
+    assert "own flag as it was when wrapped (evaluation)" in poptorch_log.text
+
+
+def test_frozen_batch_norm_after_destroy_like_plain_pytorch():
+    """Fine-tuning: after an epoch, BatchNorm is put in evaluation mode
+    and the model recompiled (destroy()): it trains as plain PyTorch does,
+    with the running statistics left alone."""
+    torch.manual_seed(0)
+    net = BatchNormNet()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for epoch in range(2):
+        if epoch == 1:
+            net.bn.eval()
+            twin.bn.eval()
+            model.destroy()
+        x, y = make_images(4, seed=epoch)
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        _, expected = twin(x, y)
+        expected.backward()
+        optimizer.step()
+        torch.testing.assert_close(loss, expected.detach())
+    for name, value in twin.state_dict().items():
+        torch.testing.assert_close(net.state_dict()[name], value,
+                                   msg=name)
+
+
+def test_wrapper_eval_sets_the_modes_and_returns_the_wrapper():
+    torch.manual_seed(0)
+    net = TopLevelBranch()
+    model = poptorch.inferenceModel(net)
+    assert model.eval() is model
+    x = torch.ones(8, 4)
+    torch.testing.assert_close(model(x), net.fc(x))
+    assert not net.drop.training
