@@ -238,6 +238,46 @@ def test_inference_switches_to_inductor_compiling_once_for_two_models(
         torch.testing.assert_close(model(x), net(x), atol=1e-5, rtol=1e-4)
 
 
+class _Noisy(torch.nn.Module):
+    """Dropout (the module is in training mode) and Gaussian noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) + torch.randn_like(x)
+
+
+@pytest.mark.slow
+def test_a_seeded_model_draws_the_graph_tiers_random_numbers_on_both_tiers(
+        tmp_path, monkeypatch):
+    """With randomSeed, the Inductor tier draws what the graph tier draws
+    from the same generator state, so the run does not depend on when it
+    tiers up (Inductor's own random algorithm differs)."""
+    monkeypatch.setenv(threshold.TIER_UP_VARIABLE, "0")
+    monkeypatch.setenv("POPTORCH_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    net = _Noisy()
+    auto, graph = (poptorch.inferenceModel(
+        net, poptorch.Options().deviceIterations(2).randomSeed(7)
+        .setBackend(backend)) for backend in ("auto", "graph"))
+    x = torch.randn(8, 6)
+    torch.testing.assert_close(auto(x), graph(x), atol=1e-5, rtol=1e-4)
+    start = time.monotonic()
+    calls = 0
+    while not _tiers(auto).on_fast_tier or calls < 3:
+        assert time.monotonic() - start < 240, "no tier-up"
+        if _compiling(auto):
+            time.sleep(0.2)
+            continue
+        torch.testing.assert_close(auto(x), graph(x), atol=1e-5, rtol=1e-4)
+        calls = calls + 1 if _tiers(auto).on_fast_tier else 0
+    assert isinstance(_tiers(auto)._steps["inference"].current,
+                      InductorStep)
+
+
 class _Elementwise(torch.nn.Module):
     def forward(self, x):
         return (x.sin() * 2 + 1).relu()

@@ -104,7 +104,8 @@ class CompileSession:
         self.tiers = (TieredCompilation(
             self.cache or ExecutableCache(default_cache_directory(),
                                           model_name(options, training)),
-            self.options, options.show_compilation_progress_bar)
+            self.options, options.show_compilation_progress_bar,
+            seeded=options.random_seed is not None)
             if isinstance(self.backend, TieredBackend) else None)
         self.anchors = Anchors(
             options.anchored_tensors, options.module_namescope,

@@ -125,6 +125,20 @@ def generating_kernels_for(threads: int) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def random_numbers_as_aten(enabled: bool) -> Iterator[None]:
+    """With ``enabled``, Inductor's random operations call PyTorch's own
+    (its ``fallback_random``): from the same generator state they draw the
+    numbers the ``graph`` backend draws, where Inductor's own algorithm
+    draws others (faster: it fuses them into its kernels)."""
+    if not enabled:
+        yield
+        return
+    from torch._inductor import config
+    with config.patch({"fallback_random": True}):
+        yield
+
+
 _LOAD_INTO = """
 import sys
 import poptorch

@@ -59,11 +59,13 @@ class BackgroundCompile:
     """A worker process compiling ``steps`` into ``cache_directory``."""
 
     def __init__(self, steps: List[StepJob], cache_directory: str,
-                 model_name: str, lock: str, kernel_threads: int) -> None:
+                 model_name: str, lock: str, kernel_threads: int,
+                 random_numbers_as_aten: bool) -> None:
         self._lock = lock
         self._lent = False
         self._directory = tempfile.mkdtemp(prefix="poptorch-tier-up-")
-        self._write_job(steps, cache_directory, model_name, kernel_threads)
+        self._write_job(steps, cache_directory, model_name, kernel_threads,
+                        random_numbers_as_aten)
         self._errors = open(os.path.join(self._directory, "stderr"), "w+b")
         self._process: Optional[subprocess.Popen] = subprocess.Popen(
             [sys.executable, "-m", "poptorch._impl.tiering.worker",
@@ -74,10 +76,12 @@ class BackgroundCompile:
         _running.add(self)
 
     def _write_job(self, steps: List[StepJob], cache_directory: str,
-                   model_name: str, kernel_threads: int) -> None:
+                   model_name: str, kernel_threads: int,
+                   random_numbers_as_aten: bool) -> None:
         documents = {s.name: serialize_graph(s.graph) for s in steps}
         job = {"cache_directory": cache_directory, "model_name": model_name,
                "kernel_threads": kernel_threads,
+               "random_numbers_as_aten": random_numbers_as_aten,
                "steps": [{"name": s.name, "key": s.key,
                           "graph": documents[s.name][0],
                           "inputs": s.inputs()} for s in steps]}

@@ -35,7 +35,7 @@ from ...errors import Error
 from ..backends import get_backend
 from ..distributed.faults import process_exists
 from ..backends.in_place import Donation
-from ..backends.inductor import kernel_threads
+from ..backends.inductor import kernel_threads, random_numbers_as_aten
 from ..executable_cache import (ExecutableCache, entry_key, executable_key,
                                 ENTRY_SUFFIX, load_cached, prepare_directory,
                                 trusted_directory)
@@ -60,9 +60,12 @@ class TieredCompilation:
     """The tiers of one compiled model's steps."""
 
     def __init__(self, cache: ExecutableCache, options: Dict,
-                 show_progress: bool) -> None:
+                 show_progress: bool, seeded: bool) -> None:
         self._cache = cache
         self._options = options
+        # With randomSeed, the Inductor tier draws the random numbers the
+        # graph tier draws: a seeded run is the same whenever it tiers up.
+        self._aten_random = seeded
         self._show_progress = show_progress
         self._threshold = TierUpThreshold()
         self._inductor = get_backend("inductor")
@@ -99,8 +102,10 @@ class TieredCompilation:
         return step
 
     def _key(self, job: StepJob) -> str:
-        return entry_key(self._inductor, executable_key(
-            self._inductor, job.graph, job.input_values(), self._options))
+        with random_numbers_as_aten(self._aten_random):
+            return entry_key(self._inductor, executable_key(
+                self._inductor, job.graph, job.input_values(),
+                self._options))
 
     def _cache_has_entries(self) -> bool:
         directory = self._cache.directory
@@ -168,7 +173,8 @@ class TieredCompilation:
             with profile_range("start background compile"):
                 self._compile = BackgroundCompile(
                     self._jobs, self._cache.directory,
-                    self._cache.model_name, self._lock, kernel_threads())
+                    self._cache.model_name, self._lock, kernel_threads(),
+                    self._aten_random)
         except Exception as error:  # pylint: disable=broad-except
             # Whatever stops the compilation must not stop the training.
             release(self._lock)

@@ -3,7 +3,8 @@
     python -m poptorch._impl.tiering.worker JOB_DIRECTORY
 
 reads the job that ``background.py`` wrote (``job.json``: the cache
-directory, the model's name, the threads the kernels are for and, per
+directory, the model's name, the threads the kernels are for, whether
+random operations draw as the graph tier's do and, per
 step, its executable key, graph and input metadata; ``constants.pt``: the
 graphs' constant tensors), compiles each step with the Inductor backend and
 writes it to the executable cache under its key (atomically: a reader never
@@ -24,7 +25,8 @@ from typing import Any, Dict, List
 import torch
 
 from ..backends import get_backend
-from ..backends.inductor import generating_kernels_for
+from ..backends.inductor import (generating_kernels_for,
+                                 random_numbers_as_aten)
 from ..executable_cache import ExecutableCache
 from ..graph_format import deserialize_graph
 
@@ -43,7 +45,8 @@ def main(job_directory: str) -> int:
     cache = ExecutableCache(job["cache_directory"], job["model_name"])
     backend = get_backend("inductor")
     with backend.storage(cache.backend_directory), \
-            generating_kernels_for(job["kernel_threads"]):
+            generating_kernels_for(job["kernel_threads"]), \
+            random_numbers_as_aten(job["random_numbers_as_aten"]):
         for step in job["steps"]:
             _compile_step(backend, cache, step, constants[step["name"]])
     return 0
