@@ -22,11 +22,24 @@ class OwnAttention(torch.nn.Module):
 
     def forward(self, x, y=None):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
-        h = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = self.attention(q, k, v)
         out = self.out(h.transpose(1, 2).flatten(2).mean(1))
         if y is None:
             return out
         return out, F.cross_entropy(out, y)
+
+    @staticmethod
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class MaskedAttention(OwnAttention):
+    """A boolean mask (True attends): each sample sees its first keys."""
+
+    @staticmethod
+    def attention(q, k, v):
+        mask = (torch.arange(k.shape[2]) < 4).expand(q.shape[2], -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class EncoderLayer(torch.nn.Module):
@@ -43,25 +56,6 @@ class EncoderLayer(torch.nn.Module):
         mask = torch.zeros(x.shape[:2], dtype=torch.bool)
         mask[:, -2:] = True
         out = self.out(self.layer(x, src_key_padding_mask=mask)[:, 0])
-        if y is None:
-            return out
-        return out, F.cross_entropy(out, y)
-
-
-class MaskedAttention(torch.nn.Module):
-    """Calls F.scaled_dot_product_attention with a boolean mask (True
-    attends): each sample sees only its first keys."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(8, 24)
-        self.out = torch.nn.Linear(8, 3)
-
-    def forward(self, x, y=None):
-        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
-        mask = (torch.arange(x.shape[1]) < 4).expand(x.shape[1], -1)
-        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = self.out(h.transpose(1, 2).flatten(2).mean(1))
         if y is None:
             return out
         return out, F.cross_entropy(out, y)
