@@ -14,10 +14,13 @@ eager PyTorch: ``"error"`` raises the warning where it was raised (the
 capture fails with it), ``"ignore"`` drops it, and every other warning is
 issued at the end of the compilation, through the filters and registry of
 its module, once per message and location however many times the model
-is traced (the analysis and each step trace it again).
+is traced (the analysis and each step trace it again). torch's warning
+that vmap has no batching rule for an operation, which the vectorised
+replica path meets, is logged at INFO instead, in poptorch's words.
 """
 import contextlib
 import contextvars
+import re
 import sys
 import traceback
 import types
@@ -25,8 +28,16 @@ import warnings
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .compile_errors import innermost_user_file, locate
+from .logger import info_once
 
 _Key = Tuple[type, str, str, int]
+
+#: torch's warning when vmap runs an operation without a batching rule
+#: once per sample: on the vectorised replica path (``replication/``),
+#: which the user did not write, an INFO log says it instead.
+_VMAP_FALLBACK = re.compile(r"There is a performance drop because we have "
+                            r"not yet implemented the batching rule for "
+                            r"(\S+)\. ")
 
 
 class _Located:
@@ -74,6 +85,12 @@ class _Collector:
         """``warnings.showwarning`` while the model is traced."""
         if not isinstance(message, Warning):
             message = category(message)
+        unbatched = _VMAP_FALLBACK.search(str(message))
+        if unbatched:
+            info_once(f"Replicas: PyTorch has no vmap batching rule for "
+                      f"{unbatched.group(1)}, so the replicas run it one "
+                      "after another (same results, slower)")
+            return
         located = _at_user_frame(message, filename, lineno)
         action = self._action(located)
         if action == "error":
