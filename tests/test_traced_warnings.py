@@ -80,3 +80,27 @@ def test_error_filter_raises_where_the_warning_is_raised():
                for note in getattr(info.value, "__notes__", []))
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+class _Deprecated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        warnings.warn("old API", DeprecationWarning)  # deprecated call
+        return self.fc(x)
+
+
+def test_python_s_own_string_filters_are_understood():
+    """Python's default filters hold plain strings, not patterns
+    (('default', None, DeprecationWarning, '__main__', 0))."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filters.insert(
+            0, ("default", None, DeprecationWarning, "__main__", 0))
+        warnings._filters_mutated()
+        poptorch.inferenceModel(_Deprecated())(torch.randn(2, 4))
+    assert [(w.filename, w.lineno) for w in caught
+            if str(w.message) == "old API"] == [
+                (__file__, _line_of("# deprecated call"))]

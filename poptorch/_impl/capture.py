@@ -322,11 +322,18 @@ def _choose_backward_start(analysis: ModelAnalysis,
 def analyse(call: ModelCall, params: List[torch.Tensor],
             buffers: List[torch.Tensor], inputs: List[torch.Tensor],
             training: bool, training_flags: Dict[str, bool]) -> ModelAnalysis:
-    """Trace the forward pass once to learn the model's shape of work."""
+    """Trace the forward pass once to learn the model's shape of work. A
+    training model's parameters that require gradients do so in the trace,
+    as in the training step, so that ``forward`` may differentiate with
+    respect to them (MAML's inner step)."""
     found = {}
+    tracked = [training and call.module.get_parameter(name).requires_grad
+               for name in call.param_names]
 
     def forward(*flat):
         p, b, x = split_flat(flat, [len(params), len(buffers)])
+        p = [t.detach().requires_grad_() if track else t
+             for t, track in zip(p, tracked)]
         with losses.LossRecorder() as recorder:
             output = call(p, b, x)
         leaves, found["spec"] = pytree.tree_flatten(

@@ -7,7 +7,10 @@ the recorded loss that no other recorded loss depends on; the capture finds it
 by graph reachability, and starts the backward pass from it, or from the
 single-element tensor ``forward`` returns that is the model's total loss
 (``backward_start.py``). A loss computed under ``torch.no_grad()`` (a
-metric) is not recorded: nothing can be trained on it.
+metric) is not recorded: nothing can be trained on it; nor is one computed
+inside a ``torch.func`` transform that ``forward`` applies (``vmap`` of a
+loss function, per-sample gradients): it is part of the graph, and its
+value does not exist outside the transform.
 """
 import contextlib
 import traceback
@@ -15,6 +18,7 @@ from typing import ContextManager, List, Optional
 
 import torch
 import torch.nn.functional as F
+from torch._C._functorch import maybe_current_level
 from torch.overrides import TorchFunctionMode
 
 from ..errors import Error
@@ -40,9 +44,11 @@ class LossRecorder(TorchFunctionMode):
         super().__init__()
         self.losses: List[torch.Tensor] = []
         self.places: List[str] = []
+        self._level = maybe_current_level()
 
     def record(self, loss: torch.Tensor) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or \
+                maybe_current_level() != self._level:
             return
         self.losses.append(loss)
         self.places.append(describe_frame(user_frame(

@@ -103,9 +103,9 @@ class _Collector:
         text = str(located.message)
         module = located.module or ""
         for action, text_re, category, module_re, line in self._filters:
-            if ((text_re is None or text_re.match(text)) and
+            if (_matches(text_re, text) and
                     issubclass(type(located.message), category) and
-                    (module_re is None or module_re.match(module)) and
+                    _matches(module_re, module) and
                     line in (0, located.lineno)):
                 return action
         return warnings.defaultaction
@@ -114,6 +114,17 @@ class _Collector:
         found, self._found = self._found, {}
         for located in found.values():
             located.issue()
+
+
+def _matches(pattern, text: str) -> bool:
+    """A warning filter's message or module pattern: None matches all, a
+    string (Python's own default filters) the same text, else a compiled
+    regular expression from the start."""
+    if pattern is None:
+        return True
+    if isinstance(pattern, str):
+        return pattern == text
+    return bool(pattern.match(text))
 
 
 def _at_user_frame(message: Warning, filename: str,
