@@ -239,6 +239,14 @@ class _Scores(dict):
     """A plain dict subclass."""
 
 
+class _Tagged(collections.OrderedDict):
+    """An OrderedDict subclass whose __init__ needs arguments."""
+
+    def __init__(self, logits, tag):
+        super().__init__(logits=logits)
+        self.tag = tag
+
+
 class _ReturnsDictTypes(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -247,10 +255,11 @@ class _ReturnsDictTypes(torch.nn.Module):
     def forward(self, x, y=None):
         logits = self.fc(x)
         scores = _Scores(top=logits.amax(dim=1))
+        tagged = _Tagged(logits * 2, "doubled")
         if y is None:
-            return _ModelOutput(logits=logits), scores
+            return _ModelOutput(logits=logits), scores, tagged
         loss = torch.nn.functional.cross_entropy(logits, y)
-        return _ModelOutput(loss=loss, logits=logits), scores
+        return _ModelOutput(loss=loss, logits=logits), scores, tagged
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -265,10 +274,12 @@ def test_returned_dict_subclasses_keep_their_types(training):
     model = (poptorch.trainingModel(net, options(), torch.optim.SGD(
         net.parameters(), lr=0.0)) if training
              else poptorch.inferenceModel(net))
-    output, scores = model(*args)
+    output, scores, tagged = model(*args)
     assert type(output) is _ModelOutput and type(scores) is _Scores
+    assert type(tagged) is _Tagged and tagged.tag == "doubled"
     assert list(output.keys()) == list(expected[0].keys())
     torch.testing.assert_close(output.logits, expected[0].logits)
     torch.testing.assert_close(scores["top"], expected[1]["top"])
+    torch.testing.assert_close(tagged["logits"], expected[2]["logits"])
     if training:
         torch.testing.assert_close(output.loss, expected[0].loss)

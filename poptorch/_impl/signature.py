@@ -131,13 +131,25 @@ class DictOfType:
     ``ModelOutput``, a user's ``dict`` subclass) among a model's outputs:
     flattened as its values, unflattened as a shallow copy of the dict
     first returned, holding the new values (so its type, attributes and
-    ``__setitem__`` behaviour are the model's)."""
+    ``__setitem__`` behaviour are the model's). A type whose copy calls an
+    ``__init__`` that needs arguments is made without ``__init__``, with
+    the attributes of the dict returned."""
 
     def __init__(self, original: dict, items: Dict[Any, Any]) -> None:
         self.items = items
-        self.template = copy.copy(original)
+        self.template = _shallow_copy(original)
         for key in items:
             self.template[key] = None
+
+
+def _shallow_copy(original: dict) -> dict:
+    try:
+        return copy.copy(original)
+    except TypeError:
+        made = type(original).__new__(type(original))
+        made.update(original)
+        made.__dict__.update(vars(original))
+        return made
 
 
 def _flatten_dict_of_type(node: DictOfType):
@@ -146,7 +158,7 @@ def _flatten_dict_of_type(node: DictOfType):
 
 def _unflatten_dict_of_type(values, context) -> dict:
     template, keys = context
-    rebuilt = copy.copy(template)
+    rebuilt = _shallow_copy(template)
     for key, value in zip(keys, values):
         rebuilt[key] = value
     return rebuilt
