@@ -58,9 +58,10 @@ _READS_VALUE = (
     "reads the value of a tensor in Python ({op}), as .item(), .tolist(), "
     "bool(), int(), float() or an if/while condition on a tensor do. The "
     "model is captured once into a static graph with tensors that have no "
-    "values yet, so Python cannot branch on or read them; keep the "
-    "computation in tensor operations (for example torch.where instead of "
-    "an if) or do it outside the model")
+    "values yet, so Python cannot branch on or read them (PopTorch traced "
+    "with the first call's values and froze such a branch to the path they "
+    "took); keep the computation in tensor operations (for example "
+    "torch.where instead of an if) or do it outside the model")
 _DYNAMIC_SHAPE = (
     "uses {op}, whose result shape depends on the data. A static graph "
     "needs every shape when it is captured: {alternative}")
