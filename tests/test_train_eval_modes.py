@@ -68,11 +68,14 @@ def test_frozen_batch_norm_after_destroy_like_plain_pytorch():
                                    msg=name)
 
 
-def test_wrapper_eval_sets_the_modes_and_returns_the_wrapper():
+def test_wrapper_eval_sets_the_modes_and_returns_the_wrapper(poptorch_log):
+    """As PopTorch's copy: the sub-modules and the wrapped model's own
+    flag, not the module's; nothing changed behind the wrapper's back."""
     torch.manual_seed(0)
     net = TopLevelBranch()
     model = poptorch.inferenceModel(net)
     assert model.eval() is model
     x = torch.ones(8, 4)
     torch.testing.assert_close(model(x), net.fc(x))
-    assert not net.drop.training
+    assert not net.drop.training and net.training
+    assert "changed after" not in poptorch_log.text

@@ -198,7 +198,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._own_mode = mode
         for child in self._module.children():
             child.train(mode)
-        self._flags_at_wrap = dict(_training_flags(self._module), **{"": mode})
+        self._flags_at_wrap = _training_flags(self._module)
         if self._compiled is not None and \
                 set(self._training_flags.values()) != {mode}:
             warn_once(f"{type(self).__name__}.train({mode}) was called on a "
