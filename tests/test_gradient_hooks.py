@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch
+from poptorch._impl.executor import compiled_model
 from conftest import assert_same_weights, make_data, options
 
 CLIP = 0.02
@@ -83,5 +84,39 @@ def test_hooks_apply_to_each_micro_batch(kind, accumulation, replicas):
         x, y = make_data(4 * micro_batches, seed=seed)
         model(x, y)
         _reference_step(twin, optimizer, x, y, micro_batches)
+    model.copyWeightsToHost()
+    assert_same_weights(net, twin)
+
+
+class _PopTorchOps(torch.nn.Module):
+    """PopTorch's identity ops on an activation, which read
+    requires_grad themselves."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(4, 6)
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.hidden(x))
+        h = poptorch.recomputationCheckpoint(poptorch.nop(
+            poptorch.set_available_memory(h, 0.3)))
+        logits = self.out(h)
+        return logits, F.cross_entropy(logits, y)
+
+
+def test_poptorch_ops_keep_replicas_vectorised():
+    """Their own reads of requires_grad do not send the replicas to the
+    sequential path, and the model trains as plain PyTorch."""
+    torch.manual_seed(0)
+    net, twin = _PopTorchOps(), _PopTorchOps()
+    twin.load_state_dict(net.state_dict())
+    model = poptorch.trainingModel(net, options(replicas=2),
+                                   torch.optim.SGD(net.parameters(), lr=0.5))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    x, y = make_data(8)
+    model(x, y)
+    _reference_step(twin, optimizer, x, y, 2)
+    assert compiled_model(model).engine.replicas.path == "vectorised"
     model.copyWeightsToHost()
     assert_same_weights(net, twin)

@@ -112,13 +112,21 @@ def _define_identity_op(name: str, schema: str,
     return op
 
 
+def _tracks_gradients(tensor: torch.Tensor) -> bool:
+    """``tensor.requires_grad``, read as torch answers it without the
+    capture's modes (replicas' activations under vmap answer False: the
+    ops' vmap rules apply there)."""
+    with torch._C.DisableTorchFunction():
+        return tensor.requires_grad
+
+
 def _apply_identity_op(op, tensor: torch.Tensor, *args) -> torch.Tensor:
     """``op(tensor, *args)``; when a gradient must flow through, the op is
     applied to the detached tensor and joined to it by an exact identity
     (``where`` with an all-true mask). That form differentiates under
     ``torch.func`` transforms too, which refuse the autograd formulas of
     custom ops and ``autograd.Function``s when functionalizing."""
-    if not (torch.is_grad_enabled() and tensor.requires_grad):
+    if not (torch.is_grad_enabled() and _tracks_gradients(tensor)):
         return op(tensor, *args)
     keep = torch.ones_like(tensor, dtype=torch.bool)
     return torch.where(keep, tensor, op(tensor.detach(), *args))
