@@ -203,14 +203,17 @@ class ModelCall:
         constants, stale after the first update, and compute without the
         forward pass's casts. The parameters' gradient hooks apply to
         ``params`` (``parameter_hooks.py``)."""
-        register_hooks([self.module.get_parameter(name)
-                        for name in self.param_names], params)
+        register_hooks(self.module_parameters(), params)
         state = dict(zip(self.param_names, params))
         state.update(zip(self.buffer_names, buffers))
         with torch.nn.utils.stateless._reparametrize_module(
                 self.module, state, tie_weights=True), self._modes(), \
                 recomputation.with_modes(self._mode_stack):
             yield
+
+    def module_parameters(self) -> List[torch.nn.Parameter]:
+        """The module's own parameters, in ``param_names`` order."""
+        return [self.module.get_parameter(name) for name in self.param_names]
 
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:
@@ -327,8 +330,8 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
     as in the training step, so that ``forward`` may differentiate with
     respect to them (MAML's inner step)."""
     found = {}
-    tracked = [training and call.module.get_parameter(name).requires_grad
-               for name in call.param_names]
+    tracked = [training and parameter.requires_grad
+               for parameter in call.module_parameters()]
 
     def forward(*flat):
         p, b, x = split_flat(flat, [len(params), len(buffers)])
