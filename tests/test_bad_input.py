@@ -37,6 +37,16 @@ def test_batch_not_a_multiple_names_options_and_multiple(mlp):
     assert "gradientAccumulation (3)" in message
     assert "replicationFactor (1)" in message
     assert "multiple of" in message and "= 6" in message
+    assert "gradient accumulation step" in message
+
+
+def test_inference_batch_error_leaves_out_gradient_accumulation(mlp):
+    model = poptorch.inferenceModel(mlp, options(2))
+    with pytest.raises(poptorch.Error) as error:
+        model(make_data(5)[0])
+    message = str(error.value)
+    assert "deviceIterations (2) x replicationFactor (1) = 2" in message
+    assert "gradient" not in message.lower()
 
 
 @pytest.mark.parametrize("bad_call,match", [

@@ -6,7 +6,7 @@ replicas that receive different data, S = micro-batch size); a 0-d tensor is
 passed whole to every step. Cutting is done with views, never copies.
 """
 import dataclasses
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -61,21 +61,29 @@ class BatchLayout:
             return
         rows = tensor.shape[0]
         if rows % self.micro_batches:
+            factors = self._factors()
             raise Error(
                 f"Argument '{name}' has {rows} rows in dimension 0, which is "
-                f"not a multiple of {self._factors()} = {self.micro_batches}. "
-                "Dimension 0 of each input holds one micro-batch per device "
-                "iteration, gradient accumulation step and replica.")
+                f"not a multiple of "
+                f"{' x '.join(option for option, _ in factors)} = "
+                f"{self.micro_batches}. Dimension 0 of each input holds one "
+                f"micro-batch per {', '.join(unit for _, unit in factors)}.")
 
-    def _factors(self) -> str:
-        parts = [f"deviceIterations ({self.device_iterations})",
-                 f"Training.gradientAccumulation "
-                 f"({self.gradient_accumulation})",
-                 f"replicationFactor ({self.replicas})"]
+    def _factors(self) -> List[Tuple[str, str]]:
+        """(option and value, what it counts) for each factor of the rows
+        per call; gradient accumulation only where it multiplies them."""
+        replicas = f"replicationFactor ({self.replicas})"
         if self.input_group_size != 1:
-            parts[-1] += (f" / inputReplicaGrouping size "
-                          f"({self.input_group_size})")
-        return " x ".join(parts)
+            replicas += (f" / inputReplicaGrouping size "
+                         f"({self.input_group_size})")
+        factors = [(f"deviceIterations ({self.device_iterations})",
+                    "device iteration")]
+        if self.gradient_accumulation != 1:
+            factors.append((f"Training.gradientAccumulation "
+                            f"({self.gradient_accumulation})",
+                            "gradient accumulation step"))
+        factors.append((replicas, "replica"))
+        return factors
 
     def split(self, tensor: torch.Tensor) -> torch.Tensor:
         """A [D, G, R', S, ...] view of ``tensor`` (0-d tensors unchanged)."""
