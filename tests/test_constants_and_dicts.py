@@ -2,6 +2,7 @@
 attributes) and taking dict arguments compute what plain PyTorch computes;
 dict arguments are matched by key, as PopTorch flattens them."""
 import collections
+import copy
 import dataclasses
 from typing import Optional
 
@@ -283,3 +284,72 @@ def test_returned_dict_subclasses_keep_their_types(training):
     torch.testing.assert_close(tagged["logits"], expected[2]["logits"])
     if training:
         torch.testing.assert_close(output.loss, expected[0].loss)
+
+
+@dataclasses.dataclass
+class _Prediction:
+    logits: torch.Tensor
+    score: torch.Tensor
+    label: str = "scores"
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenLoss:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    features: torch.Tensor
+    scale: float
+
+
+class _DataclassModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, batch: _Batch, y=None):
+        logits = self.fc(batch.features) * batch.scale
+        if y is None:
+            return (_Prediction(logits, logits.sum(-1)),)
+        return _FrozenLoss(torch.nn.functional.cross_entropy(logits, y),
+                           logits)
+
+
+def test_dataclass_arguments_and_outputs_hold_each_micro_batch():
+    """Dataclass instances passed to or returned by the model are flattened
+    by field: the model sees each micro-batch's rows, and the call returns
+    the dataclass with the real values of every micro-batch."""
+    torch.manual_seed(0)
+    net = _DataclassModel()
+    model = poptorch.inferenceModel(net, options(2))
+    for _ in range(2):
+        batch = _Batch(torch.randn(4, 4), 0.5)
+        (output,) = model(batch)
+        expected = torch.cat([net(_Batch(half, 0.5))[0].logits
+                              for half in batch.features.split(2)])
+        assert type(output) is _Prediction and output.label == "scores"
+        torch.testing.assert_close(output.logits, expected)
+        torch.testing.assert_close(output.score, expected.sum(-1))
+
+
+def test_training_with_the_loss_in_a_frozen_dataclass_matches_pytorch():
+    torch.manual_seed(0)
+    net = _DataclassModel()
+    reference = copy.deepcopy(net)
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        batch = _Batch(torch.randn(4, 4), 2.0)
+        y = torch.randint(0, 3, (4,))
+        output = model(batch, y)
+        optimizer.zero_grad()
+        expected = reference(batch, y)
+        expected.loss.backward()
+        optimizer.step()
+        assert type(output) is _FrozenLoss
+        torch.testing.assert_close(output.loss, expected.loss.detach())
+    torch.testing.assert_close(net.fc.weight, reference.fc.weight)

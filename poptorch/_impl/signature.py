@@ -7,7 +7,8 @@ whose dicts hold the compiled keys in another order, or whose dicts are of
 another standard type (``dict``, ``OrderedDict``, ``defaultdict``), matches
 the compiled call key by key. Other subclasses of ``dict``, which
 ``torch.utils._pytree`` does not know, reach ``forward`` as plain dicts;
-returned by the model, they keep their type (``DictOfType``).
+returned by the model, they keep their type (``DictOfType``), and so do
+returned dataclass instances (``DataclassOfType``).
 
 A value whose type has a parser registered with
 ``poptorch.registerCustomArgParser`` is flattened by that parser
@@ -102,8 +103,14 @@ def _unknown_dict(value: Any) -> bool:
             and type(value) not in pytree.SUPPORTED_NODES)
 
 
+def _unknown_dataclass(value: Any) -> bool:
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)
+            and type(value) not in pytree.SUPPORTED_NODES)
+
+
 def _replaced_node(value: Any) -> bool:
-    return _unknown_dict(value) or has_parser(value)
+    return (_unknown_dict(value) or _unknown_dataclass(value)
+            or has_parser(value))
 
 
 def flattenable(tree: Any, keep_dict_types: bool = False) -> Any:
@@ -111,14 +118,16 @@ def flattenable(tree: Any, keep_dict_types: bool = False) -> Any:
     type pytree does not know (a subclass of ``dict`` or ``OrderedDict``)
     as a plain dict, so that its values are flattened rather than taken as
     one leaf, or, with ``keep_dict_types`` (a model's outputs), as a
-    ``DictOfType`` that unflattens to its own type again; each value of a
-    type with a registered custom parser as a ``CustomArgument``, flattened
-    by its parser."""
+    ``DictOfType`` that unflattens to its own type again; each dataclass
+    instance as a ``DataclassOfType``, which does too; each value of a type with a registered custom parser as a
+    ``CustomArgument``, flattened by its parser."""
     def replace(value: Any) -> Any:
         if _unknown_dict(value):
             items = {key: flattenable(item, keep_dict_types)
                      for key, item in value.items()}
             return DictOfType(value, items) if keep_dict_types else items
+        if _unknown_dataclass(value):
+            return DataclassOfType(value, keep_dict_types)
         if has_parser(value):
             return CustomArgument(value)
         return value
@@ -166,6 +175,65 @@ def _unflatten_dict_of_type(values, context) -> dict:
 
 pytree.register_pytree_node(DictOfType, _flatten_dict_of_type,
                             _unflatten_dict_of_type)
+
+
+class DataclassOfType:
+    """A dataclass instance among a model's arguments or outputs: flattened
+    as its fields' values, unflattened as a shallow copy of the first
+    instance holding the new values (frozen dataclasses included), so its
+    type and its other attributes are the model's. Two instances have the
+    same structure when their types and field names are the same."""
+
+    def __init__(self, original: Any, keep_dict_types: bool) -> None:
+        names = [field.name for field in dataclasses.fields(original)]
+        self.items = {name: flattenable(getattr(original, name),
+                                        keep_dict_types)
+                      for name in names}
+        template = copy.copy(original)
+        for name in names:
+            object.__setattr__(template, name, None)
+        self.template = _Template(template)
+
+
+class _Template:
+    """An instance to copy, equal to any template of the same type."""
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _Template)
+                and type(other.instance) is type(self.instance))
+
+    def __hash__(self) -> int:
+        return hash(type(self.instance))
+
+    def __repr__(self) -> str:
+        return type(self.instance).__qualname__
+
+
+def _flatten_dataclass_of_type(node: DataclassOfType):
+    return list(node.items.values()), (node.template, list(node.items))
+
+
+def _unflatten_dataclass_of_type(values, context) -> Any:
+    template, names = context
+    rebuilt = copy.copy(template.instance)
+    for name, value in zip(names, values):
+        object.__setattr__(rebuilt, name, value)
+    return rebuilt
+
+
+def _flatten_dataclass_with_keys(node: DataclassOfType):
+    values, context = _flatten_dataclass_of_type(node)
+    return ([(pytree.GetAttrKey(name), value)
+             for name, value in zip(context[1], values)], context)
+
+
+pytree.register_pytree_node(
+    DataclassOfType, _flatten_dataclass_of_type,
+    _unflatten_dataclass_of_type,
+    flatten_with_keys_fn=_flatten_dataclass_with_keys)
 
 
 @functools.lru_cache(maxsize=64)
