@@ -86,3 +86,75 @@ def test_a_buffer_assigned_another_shape_is_an_error():
     with pytest.raises(poptorch.Error,
                        match="Buffer 'average' of Growing .*shape"):
         model(*make_data(2))
+
+
+def _qat_linear():
+    """torch.ao's default QAT set-up: per-channel weight fake-quantization,
+    whose observers resize their buffers on their first call."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.ao.quantization.QuantStub(),
+                              torch.nn.Linear(4, 3),
+                              torch.ao.quantization.DeQuantStub())
+    net.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    return torch.ao.quantization.prepare_qat(net.train(), inplace=True)
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        logits = self.net(x)
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.filterwarnings("ignore")  # torch.ao deprecation notices
+def test_buffers_resized_by_observers_are_an_error_before_any_change():
+    """The fused observers' fake kernels keep the shapes the real kernels
+    change: the call that resizes is rolled back and names the buffer."""
+    module = _WithLoss(_qat_linear())
+    snapshot = copy.deepcopy(module)
+    model = poptorch.trainingModel(module, options(2), torch.optim.SGD(
+        module.parameters(), lr=0.1))
+    with pytest.raises(poptorch.Error, match="Buffer 'net.1.weight_fake_"
+                       r"quant.scale' changes shape in forward, from \(1,\) "
+                       r"to \(3,\).*Run the module once"):
+        model(*make_data(4))
+    model.copyWeightsToHost()
+    assert_same_weights(module, snapshot)
+
+
+@pytest.mark.filterwarnings("ignore")  # torch.ao deprecation notices
+def test_qat_after_a_first_pytorch_call_trains_like_pytorch():
+    module = _WithLoss(_qat_linear())
+    x, y = make_data(4)
+    with torch.no_grad():
+        module(x, y)
+    twin = copy.deepcopy(module)
+    model = poptorch.trainingModel(module, options(2), torch.optim.SGD(
+        module.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for _ in range(3):
+        model(x, y)
+        for half_x, half_y in zip(x.split(2), y.split(2)):
+            optimizer.zero_grad()
+            twin(half_x, half_y)[1].backward()
+            optimizer.step()
+    assert_same_weights(module, twin, atol=1e-6)
+
+
+def test_a_buffer_resized_in_place_is_an_error():
+    class Histogram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(1))
+
+        def forward(self, x):
+            self.seen.resize_(4).copy_(x.mean(0))
+            return x * 2
+
+    model = poptorch.inferenceModel(Histogram())
+    with pytest.raises(poptorch.Error, match=r"Buffer 'seen' changes shape "
+                       r"in forward, from \(1,\) to \(4,\)"):
+        model(torch.ones(2, 4))

@@ -419,6 +419,31 @@ def clone_written(buffers: List[torch.Tensor],
     return buffers
 
 
+def written_values(call: ModelCall, analysis: ModelAnalysis,
+                   before: Sequence[torch.Tensor],
+                   after: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The values a step leaves in the buffers ``forward`` writes (``after``;
+    ``before`` holds the buffers the step started from); ``poptorch.Error``
+    naming a buffer that ``forward`` gave another shape: a compiled step
+    keeps the shape of every tensor it holds."""
+    for index in analysis.written_buffers:
+        if before[index].shape != after[index].shape:
+            raise resized_buffer(call.buffer_names[index],
+                                 before[index].shape, after[index].shape)
+    return [after[index] for index in analysis.written_buffers]
+
+
+def resized_buffer(name: str, old: torch.Size, new: torch.Size) -> Error:
+    """The error for a buffer that ``forward`` resized."""
+    return Error(
+        f"Buffer '{name}' changes shape in forward, from {tuple(old)} to "
+        f"{tuple(new)} (torch.ao quantization observers resize theirs on "
+        "their first call): a compiled model keeps the shape of each "
+        "buffer. Run the module once in PyTorch before wrapping it (for "
+        "example `with torch.no_grad(): module(*example_inputs)`) so that "
+        "its buffers take their final shapes.")
+
+
 def trace_inference_step(call: ModelCall, analysis: ModelAnalysis,
                          params, buffers, inputs,
                          training_flags: Dict[str, bool]
@@ -427,9 +452,9 @@ def trace_inference_step(call: ModelCall, analysis: ModelAnalysis,
 
     def step(*flat):
         p, b, x = split_flat(flat, [len(params), len(buffers)])
-        b = clone_written(b, analysis.written_buffers)
-        output = call(p, b, x)
-        return ([b[i] for i in analysis.written_buffers] +
+        written = clone_written(b, analysis.written_buffers)
+        output = call(p, written, x)
+        return (written_values(call, analysis, b, written) +
                 tensor_outputs(output))
 
     with capture_scope(call.module, training_flags):

@@ -105,6 +105,7 @@ class CompiledModel:
                             distributed.process_seed(spec.options))
         self.timer: Optional[CallTimer] = None
         self._cuda_graph_call: Optional[CudaGraphCall] = None
+        self._buffer_shapes = [buffer.shape for buffer in state.buffers[0]]
 
     # --- compilation ------------------------------------------------------
     @staticmethod
@@ -236,6 +237,7 @@ class CompiledModel:
                                                 flags)
             if flags is not None:
                 flags.raise_first(self.layout)
+            self._check_buffer_shapes()
         except BaseException as error:
             snapshot.restore(self.state, self.rng)
             if not isinstance(error, Error):
@@ -245,6 +247,18 @@ class CompiledModel:
                     replica_known=self.engine.steps_name_replicas)
             raise
         return outputs
+
+    def _check_buffer_shapes(self) -> None:
+        """``poptorch.Error`` when the call gave a buffer another shape than
+        the one compiled: an op whose shape rule in the capture (its fake
+        kernel) differs from what it does (torch.ao's fused observers)."""
+        for index in self.analysis.written_buffers:
+            compiled = self._buffer_shapes[index]
+            for buffers in self.state.buffers:
+                if buffers[index].shape != compiled:
+                    raise capture.resized_buffer(
+                        self.state.buffer_names[index], compiled,
+                        buffers[index].shape)
 
     def _snapshot(self) -> failed_calls.CallSnapshot:
         """What a failed call restores: the parameters and optimizer state

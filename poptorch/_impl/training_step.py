@@ -33,7 +33,7 @@ from . import losses
 from .backends.in_place import Donation
 from .capture import (ModelAnalysis, ModelCall, capture_scope,
                       clone_written, split_flat, tensor_outputs,
-                      trace, trace_user_code)
+                      trace, trace_user_code, written_values)
 from .distributed.gradients import GradientExchange, start_all_reduces_early
 from .distributed.weight_sharding import gather_weights_before_use
 from .floating_point_checks import step_flags
@@ -264,12 +264,12 @@ def micro_batch_forward(call: ModelCall, analysis: ModelAnalysis,
                         inputs: List[torch.Tensor]):
     """One micro-batch's forward pass: (the scalar the backward pass starts
     from, the model's output tensors, the new values of written buffers)."""
-    buffers = clone_written(buffers, analysis.written_buffers)
+    written = clone_written(buffers, analysis.written_buffers)
     with losses.LossRecorder() as recorder:
-        output = call(params, buffers, inputs)
+        output = call(params, written, inputs)
     returned = tensor_outputs(output)
     return (analysis.backward_start(recorder.losses, returned), returned,
-            [buffers[i] for i in analysis.written_buffers])
+            written_values(call, analysis, buffers, written))
 
 
 def _gradients(loss: torch.Tensor, trainable: List[torch.Tensor]
