@@ -265,6 +265,58 @@ def test_module_pickles_as_its_own_class_after_wrapping(mlp):
     assert type(copy.deepcopy(mlp)) is ClassifierMLP
 
 
+def test_layers_are_recognised_by_their_class_after_wrapping():
+    """Code that tests a layer's class with == or a set (torch.ao's
+    freeze_bn_stats, an initialisation applied by type) still finds the
+    layers of a wrapped module: freezing QAT BatchNorm statistics works."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+                              torch.nn.Linear(4, 3))
+    model = poptorch.trainingModel(_WithLoss(net), options(),
+                                   torch.optim.SGD(net.parameters(), lr=0.5))
+    model(*make_data(4))
+    assert type(net[0]) == torch.nn.Linear  # noqa: E721
+    assert type(net[1]) in {torch.nn.ReLU}
+    assert {torch.nn.Linear: "found"}[type(net[2])] == "found"
+    assert type(net[0]) != torch.nn.ReLU  # noqa: E721
+
+    def fill_linear_biases(layer):
+        if type(layer) == torch.nn.Linear:  # noqa: E721
+            torch.nn.init.constant_(layer.bias, 0.25)
+
+    net.apply(fill_linear_biases)
+    assert all((layer.bias == 0.25).all() for layer in (net[0], net[2]))
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        logits = self.net(x)
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.filterwarnings("ignore")  # torch.ao deprecation notices
+def test_qat_batch_norm_statistics_freeze_after_wrapping():
+    qat = torch.ao.nn.intrinsic.qat
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3),
+                              torch.nn.BatchNorm2d(2), torch.nn.Flatten())
+    net = torch.ao.quantization.fuse_modules_qat(net.train(), [["0", "1"]])
+    net.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    torch.ao.quantization.prepare_qat(net, inplace=True)
+    x, y = torch.randn(2, 1, 4, 4), torch.tensor([0, 5])
+    with torch.no_grad():
+        net(x)
+    model = poptorch.trainingModel(_WithLoss(net), options(),
+                                   torch.optim.SGD(net.parameters(), lr=0.1))
+    model(x, y)
+    net.apply(qat.freeze_bn_stats)
+    assert net[0].freeze_bn and not net[0].bn.training
+
+
 def test_executor_round_trips_through_torch_save(mlp, tmp_path):
     x, y = make_data(4)
     model = poptorch.trainingModel(mlp, options(), torch.optim.SGD(

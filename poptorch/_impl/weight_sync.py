@@ -8,7 +8,8 @@ model's device, once per training call: a call of the module is current even
 when its ``forward`` reaches sub-modules through closures or stored
 references rather than attribute reads, and so is a sub-module the program
 holds itself (``net`` after ``trainingModel(WithLoss(net))``) when it reads
-its weights or calls it. Pickling and
+its weights or calls it. The subclasses compare and hash equal to the
+classes they hook (``type(layer) == nn.Linear`` holds). Pickling and
 deep-copying the module give a plain instance of the original class.
 
 Writes to the host copy that the module sees make it the newer copy: its
@@ -194,6 +195,11 @@ _hooked_classes = {}
 
 
 def _hooked_class(original: type) -> type:
+    """The subclass of ``original`` whose reads and writes are hooked. It
+    equals ``original`` and hashes as it does, so that code testing a
+    module's class with ``type(module) == cls`` or ``type(module) in {...}``
+    (torch.ao's ``freeze_bn_stats``, an initialisation applied by type)
+    still recognises it; ``type(module) is cls`` cannot."""
     hooked = _hooked_classes.get(original)
     if hooked is None:
         namespace = {name: _reading(getattr(original, name))
@@ -204,9 +210,41 @@ def _hooked_class(original: type) -> type:
             __reduce_ex__=_reduce_ex,
             __module__=original.__module__, __qualname__=original.__qualname__,
             _poptorch_original_class=original)
-        hooked = type(original.__name__, (original,), namespace)
+        hooked = _equal_to_original(type(original))(
+            original.__name__, (original,), namespace)
         _hooked_classes[original] = hooked
     return hooked
+
+
+_class_kinds = {}
+
+
+def _equal_to_original(metaclass: type) -> type:
+    """A metaclass deriving from ``metaclass`` whose classes compare and hash
+    as the class they hook."""
+    kind = _class_kinds.get(metaclass)
+    if kind is None:
+        kind = type(f"Hooked{metaclass.__name__}", (metaclass,), {
+            "__eq__": _same_class, "__ne__": _other_class,
+            "__hash__": _class_hash})
+        _class_kinds[metaclass] = kind
+    return kind
+
+
+def _unhooked(cls: type) -> type:
+    return cls.__dict__.get("_poptorch_original_class", cls)
+
+
+def _same_class(cls: type, other: object) -> bool:
+    return isinstance(other, type) and _unhooked(cls) is _unhooked(other)
+
+
+def _other_class(cls: type, other: object) -> bool:
+    return not _same_class(cls, other)
+
+
+def _class_hash(cls: type) -> int:
+    return type.__hash__(_unhooked(cls))
 
 
 _READ_METHODS = ("__call__", "parameters", "named_parameters", "buffers",
