@@ -204,6 +204,45 @@ def test_host_changes_need_copy_weights_to_device(mlp):
     torch.testing.assert_close(model(x), before + 1.0)
 
 
+def test_copy_weights_to_device_after_training_keeps_the_trained_weights(
+        mlp, twin):
+    """An upload while the device holds newer weights than the host first
+    brings them to the host: the upload does not undo the training."""
+    model = poptorch.trainingModel(mlp, options(), torch.optim.SGD(
+        mlp.parameters(), lr=0.5))
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for seed in range(2):
+        x, y = make_data(4, seed=seed)
+        model(x, y)
+        model.copyWeightsToDevice()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        optimizer.step()
+    assert_same_weights(mlp, twin)
+
+
+def test_editing_weights_the_program_held_while_stale_is_an_error(
+        mlp, twin):
+    """Parameters held since before training (here the optimizer's) are the
+    host's older copy until a read through the model: changing them and
+    uploading is refused, naming them, and the device keeps its weights."""
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.5)
+    model = poptorch.trainingModel(mlp, options(), optimizer)
+    x, y = make_data(4)
+    model(x, y)
+    with torch.no_grad():
+        optimizer.param_groups[0]["params"][0].clamp_(-0.01, 0.01)
+    with pytest.raises(poptorch.Error, match=r"copyWeightsToDevice\(\): "
+                       r"\['fc1.weight'\] changed on the host through "
+                       "references"):
+        model.copyWeightsToDevice()
+    model.copyWeightsToHost()
+    reference = torch.optim.SGD(twin.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(twin(x), y).backward()
+    reference.step()
+    assert_same_weights(mlp, twin)
+
+
 def test_load_state_dict_reaches_the_device(mlp):
     x, _ = make_data(2)
     model = poptorch.inferenceModel(mlp)

@@ -24,6 +24,10 @@ class DeviceState:
         self.params: List[torch.Tensor] = []
         self.buffers: List[List[torch.Tensor]] = []
         self.optimizer: List[torch.Tensor] = []
+        #: Where each host parameter and buffer was stored and how often it
+        #: had been written when the last copy between them and the device
+        #: was made (``host_changed``).
+        self._host_marks: List[tuple] = []
         #: With sharded weights (``distributed/weight_sharding.py``), the
         #: ``WeightRows`` of the parameters kept as this process's rows.
         self.rows = None
@@ -43,6 +47,7 @@ class DeviceState:
             self._cut_into_rows()
         self.buffers = [_copy(buffers, self.device)
                         for _ in range(self.buffer_sets)]
+        self._host_marks = _marks(params + buffers)
 
     def keep_rows(self, rows) -> None:
         """From now on keep the weights that ``rows`` (a ``WeightRows``)
@@ -102,6 +107,16 @@ class DeviceState:
             torch._foreach_copy_(params, self.whole_params())
         if buffers:
             torch._foreach_copy_(buffers, self.buffers[0])
+        self._host_marks = _marks(params + buffers)
+
+    def host_changed(self, module: torch.nn.Module) -> List[str]:
+        """The names of the module's parameters and buffers written in
+        place (or given other storage) since the last copy between them
+        and the device. Writes through ``.data`` are not seen."""
+        params, buffers = self._host_tensors(module)
+        names = self.param_names + self.buffer_names
+        return [name for name, mark, now in zip(
+            names, self._host_marks, _marks(params + buffers)) if mark != now]
 
     def move(self, device: torch.device) -> None:
         """Move every state tensor to ``device`` (attach / detach)."""
@@ -109,6 +124,10 @@ class DeviceState:
         self.params = _copy(self.params, device)
         self.buffers = [_copy(b, device) for b in self.buffers]
         self.optimizer = _copy(self.optimizer, device)
+
+
+def _marks(tensors: List[torch.Tensor]) -> List[tuple]:
+    return [(t.data_ptr(), t._version) for t in tensors]
 
 
 def _describe(tensor: torch.Tensor) -> str:

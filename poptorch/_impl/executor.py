@@ -375,6 +375,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._compiled is None:
             return
         self._compiled.grouped.check_rows(_host_params(self._module))
+        self._sync.before_upload()
         with self._profile.top_range("weight upload"), \
                 weight_sync.host_reads_suspended():
             self._compiled.state.load_from_host(self._module)
@@ -396,6 +397,25 @@ class PoplarExecutor(CompiledExecutionMethods):
                 self._module, self._options.updatable_named_buffers)
         if self._compiled is not None:
             self._compiled.state.load_buffers_from_host(buffers)
+
+    def refuse_host_edits_of_stale_weights(self) -> None:
+        """``poptorch.Error`` when the host's parameters or buffers were
+        written in place while this training model's device held newer
+        weights: the program changed the weights from before training
+        through references it kept (``opt.param_groups``, a list of
+        parameters), which module reads would have brought up to date."""
+        with weight_sync.host_reads_suspended():
+            changed = self._compiled.state.host_changed(self._module)
+        if changed:
+            raise Error(
+                f"copyWeightsToDevice(): {changed} changed on the host "
+                "through references the program kept while the trained "
+                "weights were on the device, so the change was made to the "
+                "weights from before training. Read the weights through "
+                "the model (model.parameters(), model.state_dict(), "
+                "model.layer.weight), which first copies the trained "
+                "weights to the host, or call copyWeightsToHost(), before "
+                "changing them.")
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy trained weights to the host if they changed on the device;

@@ -99,6 +99,16 @@ class ModuleSync:
         if structural:
             self.structure += 1
 
+    def before_upload(self) -> None:
+        """Before a model copies the host's weights to its device: weights
+        trained on the device reach the host first, so that the upload
+        does not replace them with the host's older copy; host tensors
+        written in place while they were older are an error (the trainer's
+        ``refuse_host_edits_of_stale_weights``)."""
+        if self.device_newer and self.trainer is not None:
+            self.trainer.refuse_host_edits_of_stale_weights()
+        self.bring_host_up_to_date()
+
     def bring_host_up_to_date(self) -> bool:
         """Copy trained weights to the host if they are newer there."""
         if not self.device_newer or _suspended[0]:
