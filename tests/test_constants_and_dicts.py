@@ -104,6 +104,42 @@ def test_a_plain_tensor_attribute_written_in_place_is_frozen():
     assert module.i is tensor and tensor.item() == 0.0
 
 
+class _ClassWeighted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.class_weights = torch.ones(3)
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        return logits, torch.nn.functional.cross_entropy(
+            logits, y, weight=self.class_weights)
+
+
+@pytest.mark.parametrize("backend", ["graph", "aot_eager"])
+def test_a_tensor_attribute_changed_on_the_host_stays_frozen(backend,
+                                                            poptorch_log):
+    """A plain tensor attribute the program edits between calls keeps the
+    value it had at compilation on every backend, as PopTorch freezes it
+    (the graph backend read the live tensor, so auto changed at tier-up),
+    and the change is reported once, naming the attribute."""
+    torch.manual_seed(0)
+    module = _ClassWeighted()
+    opts = options()
+    opts.setBackend(backend)
+    model = poptorch.trainingModel(module, opts, torch.optim.SGD(
+        module.parameters(), lr=0.0))
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    first = model(x, y)[1]
+    assert "constants" not in poptorch_log.text
+    module.class_weights.copy_(torch.tensor([10.0, 1.0, 0.1]))
+    torch.testing.assert_close(model(x, y)[1], first, atol=0, rtol=0)
+    model(x, y)
+    warning = "Tensors that forward reads as constants ('class_weights')"
+    assert poptorch_log.text.count(warning) == 1
+    assert "register it as a buffer" in poptorch_log.text
+
+
 class _ScaledByCounter(torch.nn.Module):
     def __init__(self):
         super().__init__()

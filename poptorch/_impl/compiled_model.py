@@ -23,7 +23,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import Error
-from . import capture, distributed, failed_calls, weight_sync
+from . import (capture, distributed, failed_calls, tracing_context,
+               weight_sync)
 from .staging import model_parallel
 from .replication import grouping
 from .replication.replicas import (ReplicaExecution, buffer_sets,
@@ -37,6 +38,7 @@ from .device_state import DeviceState
 from .engines import (CompileInputs, Engine, SingleGraphEngine,
                       StagedEngine, TrainingSetup)
 from .floating_point_checks import StepFlags
+from .frozen_constants import FrozenConstants
 from .precision.half_casting import target_dtype
 from .lightning_logging import model_call_class
 from .logger import info_once
@@ -106,13 +108,23 @@ class CompiledModel:
         self.timer: Optional[CallTimer] = None
         self._cuda_graph_call: Optional[CudaGraphCall] = None
         self._buffer_shapes = [buffer.shape for buffer in state.buffers[0]]
+        self.constants = FrozenConstants(spec.module, [])
 
     # --- compilation ------------------------------------------------------
     @staticmethod
     def build(spec: ModelSpec, call: CallArguments,
               session) -> "CompiledModel":
         """Capture ``spec``'s model for ``call`` and compile it in
-        ``session``."""
+        ``session``; it watches the tensors captured as constants."""
+        with tracing_context.read_constants() as constants:
+            compiled = CompiledModel._build(spec, call, session)
+        compiled.constants = FrozenConstants(spec.module,
+                                             list(constants.values()))
+        return compiled
+
+    @staticmethod
+    def _build(spec: ModelSpec, call: CallArguments,
+               session) -> "CompiledModel":
         layout = spec.batch_layout()
         for position in call.tensor_positions():
             layout.check(call.paths[position], call.leaves[position])
@@ -171,6 +183,7 @@ class CompiledModel:
         """One call on ``host_inputs``: the combined output tensors. Inputs
         that ``forward`` writes in place are written back. Between calls,
         an ``auto`` model's steps may move to their compiled tier."""
+        self.constants.report_changes()
         tiers = self.session.tiers
         if tiers is None:
             return self._call(host_inputs, progress)

@@ -106,12 +106,29 @@ def written_constants() -> Iterator[Dict[int, torch.Tensor]]:
         _written.reset(token)
 
 
+_read: contextvars.ContextVar = contextvars.ContextVar(
+    "poptorch_read_constants", default=None)
+
+
+@contextlib.contextmanager
+def read_constants() -> Iterator[Dict[int, torch.Tensor]]:
+    """In the block, collect the user's tensors that captures read as
+    constants: {id: tensor}."""
+    found: Dict[int, torch.Tensor] = {}
+    token = _read.set(found)
+    try:
+        yield found
+    finally:
+        _read.reset(token)
+
+
 class GraphConstants(TorchFunctionMode):
-    """Each real tensor an operation reads is read as a copy, made once per
-    capture (detached: a constant receives no gradient), when it is not on
-    the capture's device or once an operation writes it; the user's tensor
-    is never written. Fake tensors, and the meta tensors they compute with,
-    stay as they are."""
+    """Each real tensor an operation reads is read as a copy on the
+    capture's device, made once per capture (detached: a constant receives
+    no gradient): the graph holds the value the tensor had when the model
+    was compiled, whichever backend runs it, and the user's tensor is never
+    written. Fake tensors, and the meta tensors they compute with, stay as
+    they are."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,19 +141,18 @@ class GraphConstants(TorchFunctionMode):
         if target is not None and _is_real(target):
             self._copy(target, target.device if self._device is None
                        else self._device, written=True)
-        if self._device is not None or self._copies:
-            args, kwargs = pytree.tree_map_only(
-                torch.Tensor, self._read, (args, kwargs))
+        args, kwargs = pytree.tree_map_only(torch.Tensor, self._read,
+                                            (args, kwargs))
         return func(*args, **kwargs)
 
     def _read(self, tensor: torch.Tensor) -> torch.Tensor:
         copied = self._copies.get(id(tensor))
         if copied is not None and copied[0] is tensor:
             return copied[1]
-        if self._device is None or tensor.device == self._device or \
-                not _is_real(tensor):
+        if not _is_real(tensor):
             return tensor
-        return self._copy(tensor, self._device, written=False)
+        return self._copy(tensor, self._device or tensor.device,
+                          written=False)
 
     def _copy(self, tensor: torch.Tensor, device: torch.device,
               written: bool) -> torch.Tensor:
@@ -149,6 +165,9 @@ class GraphConstants(TorchFunctionMode):
         registry = _written.get()
         if written and registry is not None:
             registry[id(copied[1])] = tensor
+        read = _read.get()
+        if read is not None:
+            read.setdefault(id(tensor), tensor)
         return copied[1]
 
 
