@@ -243,6 +243,27 @@ def test_editing_weights_the_program_held_while_stale_is_an_error(
     assert_same_weights(mlp, twin)
 
 
+def test_uploading_weights_of_another_dtype_or_shape_is_an_error(mlp, twin):
+    model = poptorch.trainingModel(mlp, options(), torch.optim.SGD(
+        mlp.parameters(), lr=0.5))
+    x, y = make_data(4)
+    model(x, y)
+    mlp.half()
+    with pytest.raises(poptorch.Error, match="parameter 'fc1.weight' is a "
+                       "tensor of shape .* dtype torch.float16 but the model "
+                       "was compiled for .* torch.float32"):
+        model.copyWeightsToDevice()
+    mlp.float()
+    model.copyWeightsToDevice()
+    model(x, y)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for _ in range(2):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        optimizer.step()
+    assert_same_weights(mlp, twin, atol=1e-3)
+
+
 def test_load_state_dict_reaches_the_device(mlp):
     x, _ = make_data(2)
     model = poptorch.inferenceModel(mlp)

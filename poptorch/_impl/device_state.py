@@ -40,14 +40,32 @@ class DeviceState:
                 [buffers[n] for n in self.buffer_names])
 
     def load_from_host(self, module: torch.nn.Module) -> None:
-        """Copy the module's parameters and buffers to the device."""
+        """Copy the module's parameters and buffers to the device; after the
+        first copy, ``poptorch.Error`` (before anything changes) when one of
+        them no longer has the shape and dtype compiled for."""
         params, buffers = self._host_tensors(module)
+        if self.params:
+            self._check_compiled_like(
+                zip(self.param_names, params, self.whole_shaped_params()),
+                "parameter")
+            self._check_compiled_like(
+                zip(self.buffer_names, buffers, self.buffers[0]), "buffer")
         self.params = _copy(params, self.device)
         if self.rows is not None:
             self._cut_into_rows()
         self.buffers = [_copy(buffers, self.device)
                         for _ in range(self.buffer_sets)]
         self._host_marks = _marks(params + buffers)
+
+    @staticmethod
+    def _check_compiled_like(named, kind: str) -> None:
+        for name, host, device in named:
+            if host.shape != device.shape or host.dtype != device.dtype:
+                raise Error(
+                    f"The host's {kind} '{name}' is {_describe(host)} but "
+                    f"the model was compiled for {_describe(device)}, so it "
+                    "cannot be copied to the device. Call destroy() to "
+                    "compile the model again for the new weights.")
 
     def keep_rows(self, rows) -> None:
         """From now on keep the weights that ``rows`` (a ``WeightRows``)
