@@ -389,3 +389,59 @@ def test_training_with_the_loss_in_a_frozen_dataclass_matches_pytorch():
         assert type(output) is _FrozenLoss
         torch.testing.assert_close(output.loss, expected.loss.detach())
     torch.testing.assert_close(net.fc.weight, reference.fc.weight)
+
+
+class _Pair(tuple):
+    """A tuple subclass with a helper, as batches and results often are."""
+
+    def first(self):
+        return self[0]
+
+
+class _Boxes(list):
+    pass
+
+
+class _Holder:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class _SequenceTypes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, pair):
+        logits = self.fc(pair.first()) * pair[1]
+        return _Pair((logits, logits.sum(-1))), _Boxes([logits * 2])
+
+
+def test_tuple_and_list_subclasses_are_cut_into_micro_batches():
+    """Arguments and outputs of tuple and list subclasses are flattened by
+    item: each micro-batch gets its rows and the outputs hold every one's."""
+    torch.manual_seed(0)
+    net = _SequenceTypes()
+    model = poptorch.inferenceModel(net, options(2))
+    for _ in range(2):
+        x, scale = torch.randn(4, 4), torch.rand(4, 1)
+        pair, boxes = model(_Pair((x, scale)))
+        expected = torch.cat([net(_Pair((x[i:i + 2], scale[i:i + 2])))[0][0]
+                              for i in (0, 2)])
+        assert type(pair) is _Pair and type(boxes) is _Boxes
+        torch.testing.assert_close(pair.first(), expected)
+        torch.testing.assert_close(pair[1], expected.sum(-1))
+        torch.testing.assert_close(boxes[0], expected * 2)
+
+
+def test_plain_objects_holding_tensors_are_refused():
+    class ReturnsHolder(torch.nn.Module):
+        def forward(self, x):
+            return _Holder(x * 2)
+
+    with pytest.raises(poptorch.Error, match="Argument 'x' is a _Holder "
+                       "object holding tensors.*registerCustomArgParser"):
+        poptorch.inferenceModel(ReturnsHolder())(_Holder(torch.ones(2)))
+    with pytest.raises(poptorch.Error, match="forward returned a _Holder "
+                       "object holding tensors"):
+        poptorch.inferenceModel(ReturnsHolder())(torch.ones(2))

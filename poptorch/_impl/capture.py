@@ -39,7 +39,7 @@ from .names import module_scopes
 from .profiling.ranges import profile_range
 from .parameter_hooks import register_hooks
 from .recurrent_layers import RecurrentLayersAsOps
-from .signature import flattenable
+from .signature import flattenable, holds_tensors
 from .state_writes import in_place_state_writes
 from .sparse_gradients import use_dense_gradients
 from .weight_sync import host_reads_suspended
@@ -341,6 +341,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
             output = call(p, b, x)
         leaves, found["spec"] = pytree.tree_flatten(
             flattenable(output, keep_dict_types=True))
+        _refuse_objects_holding_tensors(leaves)
         found["constants"] = [
             TENSOR_LEAF if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves]
@@ -374,6 +375,17 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
             i for i, node in enumerate(_placeholders(graph)[:len(params)])
             if node in reaching]
     return analysis
+
+
+def _refuse_objects_holding_tensors(leaves: List[object]) -> None:
+    for leaf in leaves:
+        if holds_tensors(leaf):
+            raise Error(
+                f"forward returned a {type(leaf).__name__} object holding "
+                "tensors: a compiled model returns tensors in tuples, "
+                "lists, dicts, named tuples or dataclasses (or in a type "
+                "registered with poptorch.registerCustomArgParser), which it "
+                "fills with the values of every micro-batch.")
 
 
 def trace_user_code(fn: Callable, example_inputs,

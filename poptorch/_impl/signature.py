@@ -63,6 +63,15 @@ class CallArguments:
         self.leaves, self.spec = pytree.tree_flatten((self.args, self.kwargs))
         self._signature = signature
         self._paths: Optional[List[str]] = None
+        for position, leaf in enumerate(self.leaves):
+            if holds_tensors(leaf):
+                raise Error(
+                    f"Argument '{self.paths[position]}' is a "
+                    f"{type(leaf).__name__} object holding tensors, which "
+                    "cannot be cut into micro-batches. Pass its tensors in "
+                    "tuples, lists, dicts or dataclasses, or register a "
+                    "parser for its type with "
+                    "poptorch.registerCustomArgParser.")
 
     def match_keys(self, spec: pytree.TreeSpec) -> bool:
         """Put the leaves in the order of ``spec`` when the arguments have
@@ -98,6 +107,14 @@ class CallArguments:
         return [self.leaves[i] for i in self.tensor_positions()]
 
 
+def holds_tensors(leaf: Any) -> bool:
+    """Whether a leaf that is not a tensor keeps tensors in its attributes
+    (a plain object grouping a batch or a result)."""
+    return not isinstance(leaf, torch.Tensor) and any(
+        isinstance(value, torch.Tensor)
+        for value in getattr(leaf, "__dict__", {}).values())
+
+
 def _unknown_dict(value: Any) -> bool:
     return (isinstance(value, dict)
             and type(value) not in pytree.SUPPORTED_NODES)
@@ -108,9 +125,16 @@ def _unknown_dataclass(value: Any) -> bool:
             and type(value) not in pytree.SUPPORTED_NODES)
 
 
+def _unknown_sequence(value: Any) -> bool:
+    return (isinstance(value, (tuple, list))
+            and type(value) not in pytree.SUPPORTED_NODES
+            and not pytree.is_namedtuple_instance(value)
+            and not pytree.is_structseq_instance(value))
+
+
 def _replaced_node(value: Any) -> bool:
     return (_unknown_dict(value) or _unknown_dataclass(value)
-            or has_parser(value))
+            or _unknown_sequence(value) or has_parser(value))
 
 
 def flattenable(tree: Any, keep_dict_types: bool = False) -> Any:
@@ -128,6 +152,8 @@ def flattenable(tree: Any, keep_dict_types: bool = False) -> Any:
             return DictOfType(value, items) if keep_dict_types else items
         if _unknown_dataclass(value):
             return DataclassOfType(value, keep_dict_types)
+        if _unknown_sequence(value):
+            return SequenceOfType(value, keep_dict_types)
         if has_parser(value):
             return CustomArgument(value)
         return value
@@ -234,6 +260,43 @@ pytree.register_pytree_node(
     DataclassOfType, _flatten_dataclass_of_type,
     _unflatten_dataclass_of_type,
     flatten_with_keys_fn=_flatten_dataclass_with_keys)
+
+
+class SequenceOfType:
+    """A subclass of ``tuple`` or ``list`` (not a named tuple) among a
+    model's arguments or outputs: flattened as its items, unflattened as an
+    instance of its type holding the new items, with the attributes of the
+    first instance."""
+
+    def __init__(self, original: Any, keep_dict_types: bool) -> None:
+        self.items = [flattenable(item, keep_dict_types) for item in original]
+        self.template = _Template(original)
+
+
+def _flatten_sequence_of_type(node: SequenceOfType):
+    return list(node.items), node.template
+
+
+def _unflatten_sequence_of_type(values, template: "_Template") -> Any:
+    original = template.instance
+    if isinstance(original, tuple):
+        rebuilt = tuple.__new__(type(original), values)
+        if hasattr(original, "__dict__"):
+            rebuilt.__dict__.update(vars(original))
+        return rebuilt
+    rebuilt = copy.copy(original)
+    rebuilt[:] = values
+    return rebuilt
+
+
+def _flatten_sequence_with_keys(node: SequenceOfType):
+    return ([(pytree.SequenceKey(index), item)
+             for index, item in enumerate(node.items)], node.template)
+
+
+pytree.register_pytree_node(
+    SequenceOfType, _flatten_sequence_of_type, _unflatten_sequence_of_type,
+    flatten_with_keys_fn=_flatten_sequence_with_keys)
 
 
 @functools.lru_cache(maxsize=64)
