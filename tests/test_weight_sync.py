@@ -4,6 +4,7 @@ import pickle
 
 import pytest
 import torch
+from torch.nn.utils import prune
 
 import poptorch
 from poptorch._impl.device_state import DeviceState
@@ -535,12 +536,35 @@ def test_a_layer_replaced_after_training_needs_a_new_compilation(mlp, twin):
     features = poptorch.inferenceModel(mlp)
     torch.testing.assert_close(features(x), twin(x))
     for compiled_before, data in ((model, (x, y)), (validation, (x,))):
-        with pytest.raises(poptorch.Error, match="was replaced after this "
-                           "model was compiled.*destroy()"):
+        with pytest.raises(poptorch.Error, match="was replaced, added or "
+                           "removed .* after this model was compiled.*"
+                           "destroy()"):
             compiled_before(*data)
     validation.destroy()
     torch.testing.assert_close(validation(x), twin(x))
     model.destroy()
+    assert_same_weights(mlp, twin)
+
+
+def test_pruning_after_training_needs_a_new_compilation(mlp, twin):
+    """torch.nn.utils.prune moves a weight to a new name without assigning
+    an attribute: the compiled model refuses to run the old parameters (it
+    trained the unpruned weight without a word); after destroy() and a new
+    optimizer it trains the pruned model as PyTorch does."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    _sgd_step(twin, x, y)
+    for net in (mlp, twin):
+        prune.l1_unstructured(net.fc1, "weight", amount=0.5)
+    with pytest.raises(poptorch.Error, match="replaced, added or removed "
+                       r"\(torch.nn.utils.prune"):
+        model(x, y)
+    model.destroy()
+    model.setOptimizer(torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    _sgd_step(twin, x, y)
     assert_same_weights(mlp, twin)
 
 

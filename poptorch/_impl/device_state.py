@@ -34,8 +34,19 @@ class DeviceState:
         self.load_from_host(module)
 
     def _host_tensors(self, module: torch.nn.Module):
+        """The module's parameters and buffers of the compiled names;
+        ``poptorch.Error`` when some are gone."""
         params = dict(module.named_parameters())
         buffers = dict(module.named_buffers())
+        gone = ([n for n in self.param_names if n not in params] +
+                [n for n in self.buffer_names if n not in buffers])
+        if gone:
+            raise Error(
+                f"The module's parameters or buffers {gone} are gone since "
+                "the model was compiled (torch.nn.utils.prune and "
+                "parametrizations move a weight to a new name): call "
+                "destroy() to compile the model again for the module as it "
+                "is now.")
         return ([params[n] for n in self.param_names],
                 [buffers[n] for n in self.buffer_names])
 

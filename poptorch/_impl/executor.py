@@ -296,14 +296,21 @@ class PoplarExecutor(CompiledExecutionMethods):
                         "it out by default (drop_last=True), "
                         "torch.utils.data.DataLoader does with "
                         "drop_last=True.") from None
-        if self._sync.structure != self._structure:
+        with weight_sync.host_reads_suspended():
+            params = list(self._module.named_parameters())
+        if (self._sync.structure != self._structure or
+                [name for name, _ in params] !=
+                self._compiled.state.param_names):
             raise Error(
                 "A parameter or sub-module of the wrapped "
-                f"{type(self._module).__name__} was replaced after this "
-                "model was compiled, which the compiled model cannot follow: "
-                "call destroy() on it, and the next call compiles the module "
-                "as it is now (the trained weights are on the host)")
-        if self._training and self._trainable != _trainable(self._module):
+                f"{type(self._module).__name__} was replaced, added or "
+                "removed (torch.nn.utils.prune and parametrizations move "
+                "weights) after this model was compiled, which the compiled "
+                "model cannot follow: call destroy() on it, and the next "
+                "call compiles the module as it is now (the trained weights "
+                "are on the host)")
+        if self._training and self._trainable != [
+                param.requires_grad for _, param in params]:
             warn_once(
                 f"requires_grad of parameters of the wrapped "
                 f"{type(self._module).__name__} changed after the training "
