@@ -88,6 +88,27 @@ def test_inductor_keeps_writes_to_inputs():
     _inference_writes_input("inductor")
 
 
+@pytest.mark.slow
+def test_inductor_steps_reading_constants_load_from_their_bytes():
+    """A step reading a constant tensor (a plain tensor attribute, a closure
+    tensor) loads from its serialized bytes, as the cache, exported files
+    and auto's background compilation load it: Inductor's artifact does not
+    keep the graph's constants, so the step crashed after its tier-up."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from poptorch._impl.backends.inductor import InductorBackend
+    mask = torch.tril(torch.ones(3, 3))
+
+    def step(weight, x):
+        return (x @ weight @ mask + mask.sum(),)
+
+    weight, x = torch.randn(5, 3), torch.randn(4, 5)
+    backend = InductorBackend()
+    compiled = backend.compile(make_fx(step)(weight, x), [weight, x])
+    for portable in (False, True):
+        loaded = backend.deserialize(backend.serialize(compiled, portable))
+        torch.testing.assert_close(loaded(weight, x)[0], step(weight, x)[0])
+
+
 def test_auto_starts_on_the_graph_backend_on_cpu():
     """The default tiers the steps (test_tiered_compilation.py): the graph
     backend's steps until the tier-up."""

@@ -60,7 +60,7 @@ from .graph_format import graph_fingerprint, tensor_metadata
 from .profiling.ranges import profile_range
 
 _MAGIC = "poptorch-executable-cache"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 #: The file name ending of a cache entry.
 ENTRY_SUFFIX = ".pexe"
 _INDEX = "index.json"

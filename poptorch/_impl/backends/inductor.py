@@ -43,14 +43,16 @@ _KERNELS = "kernels/"
 
 
 class InductorStep:
-    """A compiled step: Inductor's bundled artifact, called positionally."""
+    """A compiled step: Inductor's bundled artifact, called positionally,
+    with the graph's constant tensors passed after the step's inputs."""
 
-    def __init__(self, artifact) -> None:
+    def __init__(self, artifact, constants: List[torch.Tensor]) -> None:
         self.artifact = artifact
+        self.constants = constants
         self._call = artifact.inner_fn
 
     def __call__(self, *inputs: torch.Tensor):
-        return self._call(*inputs)
+        return self._call(*inputs, *self.constants)
 
 
 class InductorBackend(Backend):
@@ -62,11 +64,12 @@ class InductorBackend(Backend):
                 donation: Optional[Donation] = None) -> CompiledStep:
         """Inductor plans its own buffer reuse: ``donation`` is not used."""
         from torch._inductor import standalone_compile
+        graph, constants = _constants_as_inputs(graph)
         with generating_kernels_for(kernel_threads()):
             artifact = standalone_compile(
-                graph, list(example_inputs),
+                graph, list(example_inputs) + constants,
                 dynamic_shapes="from_example_inputs", aot=True)
-        return InductorStep(artifact)
+        return InductorStep(artifact, constants)
 
     def settings_fingerprint(self) -> str:
         """Inductor's configuration (``torch._inductor.config``, which its
@@ -85,15 +88,18 @@ class InductorBackend(Backend):
             raise Error("inductor backend: can only serialize steps it "
                         "compiled")
         artifact = step.artifact.serialize()
+        data = _with_constants(artifact, step.constants)
         if not portable:
-            return artifact
-        return _PORTABLE + _bundle(artifact, _kernel_files(artifact))
+            return data
+        return _PORTABLE + _bundle(data, _kernel_files(artifact))
 
     def deserialize(self, data: bytes) -> CompiledStep:
         from torch._inductor.standalone_compile import AOTCompiledArtifact
         if data.startswith(_PORTABLE):
             data = _install_kernels(data[len(_PORTABLE):])
-        return InductorStep(AOTCompiledArtifact.deserialize(data))
+        artifact, constants = _split_constants(data)
+        return InductorStep(AOTCompiledArtifact.deserialize(artifact),
+                            constants)
 
     @contextlib.contextmanager
     def storage(self, directory: Optional[str]) -> Iterator[None]:
@@ -104,6 +110,52 @@ class InductorBackend(Backend):
             temporary_cache_dir
         with temporary_cache_dir(directory), remembered_check(directory):
             yield
+
+
+def _constants_as_inputs(graph: torch.fx.GraphModule):
+    """A copy of ``graph`` whose constant tensors (plain tensor attributes
+    and closure tensors the model reads) are inputs after its own, and
+    those tensors: Inductor's serialized artifact does not keep a graph's
+    constants, so a step loaded from the cache or a file gets them as
+    inputs."""
+    constants, lifted = [], torch.fx.Graph()
+    values = {}
+    attributes = [node for node in graph.graph.nodes if node.op == "get_attr"
+                  and isinstance(getattr(graph, node.target, None),
+                                 torch.Tensor)]
+    placeholders = [node for node in graph.graph.nodes
+                    if node.op == "placeholder"]
+    for node in placeholders:
+        values[node] = lifted.node_copy(node, values.__getitem__)
+    for node in attributes:
+        values[node] = lifted.placeholder(f"constant_{len(constants)}")
+        constants.append(getattr(graph, node.target))
+    for node in graph.graph.nodes:
+        if node not in values:
+            values[node] = lifted.node_copy(node, values.__getitem__)
+    return torch.fx.GraphModule(graph, lifted), constants
+
+
+_CONSTANTS = b"poptorch-inductor-constants\n"
+
+
+def _with_constants(artifact: bytes, constants: List[torch.Tensor]) -> bytes:
+    stream = io.BytesIO()
+    torch.save(constants, stream)
+    saved = stream.getvalue()
+    return _CONSTANTS + len(saved).to_bytes(8, "little") + saved + artifact
+
+
+def _split_constants(data: bytes):
+    """(artifact, constants) of ``_with_constants``'s bytes."""
+    if not data.startswith(_CONSTANTS):
+        raise Error("inductor executable: written by an older version of "
+                    "poptorch; compile the model again")
+    start = len(_CONSTANTS) + 8
+    size = int.from_bytes(data[len(_CONSTANTS):start], "little")
+    constants = torch.load(io.BytesIO(data[start:start + size]),
+                           weights_only=True)
+    return data[start + size:], constants
 
 
 def kernel_threads() -> int:
