@@ -1,5 +1,7 @@
 """Output modes, shapes and structures (docs/semantics.md, "What a call
 returns")."""
+import copy
+
 import pytest
 import torch
 
@@ -81,6 +83,26 @@ def test_training_default_returns_final_loss(mlp):
     expected_out, expected_loss = mlp(x[4:], y[4:])
     torch.testing.assert_close(loss, expected_loss.detach())
     torch.testing.assert_close(out, expected_out.detach())
+
+
+def test_training_outputs_format_copy_and_save_as_plain_tensors(
+        mlp, tmp_path):
+    """Training outputs refuse backward() but are used as PyTorch's are:
+    f-string formatting of the loss, deepcopy, torch.save and a
+    weights_only torch.load."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.0))
+    out, loss = model(x, y)
+    with pytest.raises(poptorch.Error, match="backward"):
+        loss.backward()
+    value = loss.item()
+    assert f"{loss:.3f}" == f"{value:.3f}" == format(loss, ".3f")
+    assert type(copy.deepcopy(loss)) is torch.Tensor
+    torch.save({"loss": loss, "out": out}, tmp_path / "outputs.pt")
+    loaded = torch.load(tmp_path / "outputs.pt", weights_only=True)
+    assert type(loaded["loss"]) is torch.Tensor
+    assert loaded["loss"].item() == value and torch.equal(loaded["out"], out)
 
 
 def test_training_all_makes_scalar_losses_one_dimensional(mlp):

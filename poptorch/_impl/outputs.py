@@ -7,6 +7,7 @@ it at the end. With b the number of kept micro-batch outputs (R for Final and
 Sum), b > 1 multiplies dimension 0 by b (0-d outputs become 1-d of length b)
 in [D, G, R] order, and b = 1 returns exactly the model's shapes.
 """
+import copy
 from typing import List, Optional
 
 import torch
@@ -96,6 +97,18 @@ class TrainingOutput(torch.Tensor):
 
     def __repr__(self, **kwargs) -> str:
         return torch.Tensor.__repr__(self.as_subclass(torch.Tensor), **kwargs)
+
+    def __format__(self, format_spec: str) -> str:
+        """``f"{loss:.3f}"`` formats a 0-d output as a plain tensor's value."""
+        return self.as_subclass(torch.Tensor).__format__(format_spec)
+
+    def __deepcopy__(self, memo) -> torch.Tensor:
+        return copy.deepcopy(self.as_subclass(torch.Tensor), memo)
+
+    def __reduce_ex__(self, protocol):
+        """Saved and pickled as a plain tensor (``torch.load`` with
+        ``weights_only=True`` loads it)."""
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
     def backward(self, *args, **kwargs):
         raise Error(
