@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import poptorch
 from poptorch._impl.executor import compiled_model
@@ -320,6 +321,43 @@ def test_sparse_embeddings_train_with_dense_gradients(optimizer):
     model.copyWeightsToHost()
     assert_same_weights(net, reference, atol=1e-6)
     assert net.embedding.sparse and net.bag.sparse
+
+
+class _FunctionalSparse(torch.nn.Module):
+    """Sparse gradients asked for by functional calls, not by a module."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(20, 4))
+        self.out = torch.nn.Linear(12, 2)
+        self.sparse = True
+
+    def forward(self, ids, y):
+        embedded = F.embedding(ids, self.table, sparse=self.sparse).mean(1)
+        bag = F.embedding_bag(ids, self.table, mode="sum",
+                              sparse=self.sparse)
+        gathered = torch.gather(self.table, 0, ids[:, :4],
+                                sparse_grad=self.sparse)
+        out = self.out(torch.cat([embedded, bag, gathered], 1))
+        return out, F.cross_entropy(out, y)
+
+
+def test_functional_sparse_gradients_train_with_dense_gradients():
+    """F.embedding, F.embedding_bag and torch.gather asked for sparse
+    gradients train as with dense ones (plain SGD: the same update)."""
+    torch.manual_seed(0)
+    net = _FunctionalSparse()
+    reference = copy.deepcopy(net)
+    reference.sparse = False   # torch cannot add these sparse gradients
+    model = poptorch.trainingModel(net, poptorch.Options().deviceIterations(2),
+                                   torch.optim.SGD(net.parameters(), lr=0.5))
+    ids, y = torch.randint(0, 20, (8, 5)), torch.randint(0, 2, (8,))
+    model(ids, y)
+    reference_training(reference, torch.optim.SGD(reference.parameters(),
+                                                  lr=0.5),
+                       (ids, y), device_iterations=2)
+    model.copyWeightsToHost()
+    assert_same_weights(net, reference, atol=1e-6)
 
 
 class _Features(torch.nn.Module):

@@ -41,7 +41,7 @@ from .parameter_hooks import register_hooks
 from .recurrent_layers import RecurrentLayersAsOps
 from .signature import flattenable, holds_tensors
 from .state_writes import in_place_state_writes
-from .sparse_gradients import use_dense_gradients
+from .sparse_gradients import DenseGradients
 from .weight_sync import host_reads_suspended
 
 _capturing = [0]
@@ -59,9 +59,8 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
     """Mark capture in progress and apply the train/eval flags the module had
     when it was wrapped (PopTorch wraps a shallow copy of the module); batch
     norm modules with ``momentum=None`` get a capturable momentum
-    (``cumulative_batch_norm.py``), embedding layers with ``sparse=True``
-    dense gradients (``sparse_gradients.py``). Yields the list that receives the blocks
-    met, when the scope ends.
+    (``cumulative_batch_norm.py``). Yields the list that receives the
+    blocks met, when the scope ends.
 
     Attributes that ``forward`` assigns while it is traced (the spec's
     ``model.i`` example) are frozen into the graph and restored on the host
@@ -82,7 +81,6 @@ def capture_scope(module: torch.nn.Module, training_flags: Dict[str, bool]
                 if name in modules:
                     modules[name].training = flag
             mark_cumulative_modules(modules.values())
-            use_dense_gradients(modules.values())
             yield records
     finally:
         records.extend(blocks.end_capture())
@@ -232,13 +230,15 @@ class ModelCall:
         """The TorchFunctionModes of a captured forward pass: constants on
         the device, parameters and buffers replaced by assignment written
         in place, half/float casting, cumulative BatchNorm averages,
-        recurrent layers as one op per layer and automatic casting."""
+        recurrent layers as one op per layer, dense gradients where sparse
+        ones are asked for and automatic casting."""
         modes = contextlib.ExitStack()
         modes.enter_context(tracing_context.GraphConstants())
         modes.enter_context(in_place_state_writes())
         modes.enter_context(MixedPrecisionCasting(self.mixed_dtype))
         modes.enter_context(CumulativeAverage())
         modes.enter_context(RecurrentLayersAsOps())
+        modes.enter_context(DenseGradients())
         if self.autocast_policy is not None:
             modes.enter_context(AutomaticCasting(self.autocast_policy))
         return modes
