@@ -269,6 +269,36 @@ def test_models_vmap_cannot_trace_fall_back_to_sequential(poptorch_log):
     assert_same_weights(net, twin)
 
 
+class _ScatteredTokens(torch.nn.Module):
+    """Operations whose gradients vmap gets wrong: select_scatter, and an
+    embedding scaling its gradient by the tokens' frequencies."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(6, 3, scale_grad_by_freq=True)
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, ids, y):
+        features = self.embedding(ids).mean(1)
+        scores = self.fc(features)
+        out = torch.zeros(ids.shape[0], 5).select_scatter(scores[:, 0], 1, 2)
+        out = out[:, :3] + scores
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_ops_vmap_batches_wrongly_send_replicas_to_sequential():
+    torch.manual_seed(0)
+    net = _ScatteredTokens()
+    twin = copy.deepcopy(net)
+    ids = torch.randint(0, 6, (8, 4))
+    ids[:, 0] = ids[:, 1] = 2
+    inputs = (ids, torch.randint(0, 3, (8,)))
+    model, _ = _train(net, options(accumulation=2, replicas=2), inputs)
+    _reference(twin, inputs, accumulation=2, replicas=2)
+    assert_same_weights(net, twin)
+    assert compiled_model(model).engine.replicas.path == "sequential"
+
+
 class _CountingModel(torch.nn.Module):
     """Inference writes a buffer shared by all replicas."""
 

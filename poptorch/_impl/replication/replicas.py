@@ -33,8 +33,9 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   ``parameter_hooks.py``) or when
   vmap cannot trace the model (for example an ``autograd.Function`` without
   a vmap rule, ``torch.utils.checkpoint``, which recomputes part of the
-  forward pass in the backward pass, outside vmap, or gradient hooks on
-  activations, ``autograd_queries.py``): the first step is
+  forward pass in the backward pass, outside vmap, gradient hooks on
+  activations, ``autograd_queries.py``, or an operation whose gradient
+  vmap computes wrongly, ``misbatched_ops.py``): the first step is
   traced vectorised and, if that fails, traced again on the sequential
   path; the reason is logged at DEBUG.
 
@@ -64,6 +65,7 @@ from .attention import batched_attention
 from .autograd_queries import answered_per_replica
 from .batch_norm import per_replica_statistics
 from .grouping import GroupedWeights, ReplicaGrouping
+from .misbatched_ops import refused_in_vmap
 from ..training_step import micro_batch_forward, trace_training_step
 from ..weight_sync import host_reads_suspended
 
@@ -241,7 +243,7 @@ class ReplicaExecution:
                 params, inputs, reduction)
             dims = (param_dims, self._written_dims(len(buffers)), input_dims)
             with per_replica_statistics(), batched_attention(), \
-                    answered_per_replica():
+                    answered_per_replica(), refused_in_vmap():
                 return torch.func.vmap(micro, in_dims=dims,
                                        randomness="different")(
                                            params, buffers, inputs)
