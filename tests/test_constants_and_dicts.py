@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from typing import Optional
 
+import numpy
 import pytest
 import torch
 
@@ -445,3 +446,18 @@ def test_plain_objects_holding_tensors_are_refused():
     with pytest.raises(poptorch.Error, match="forward returned a _Holder "
                        "object holding tensors"):
         poptorch.inferenceModel(ReturnsHolder())(torch.ones(2))
+
+
+def test_numpy_array_arguments_are_refused():
+    """A numpy array would be compiled in whole, as a constant, for every
+    micro-batch; numpy scalars stay constants."""
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale):
+            return x * float(scale)
+
+    model = poptorch.inferenceModel(Scaled(), options(2))
+    torch.testing.assert_close(model(torch.ones(4), numpy.float32(2.0)),
+                               torch.full((4,), 2.0))
+    with pytest.raises(poptorch.Error, match="Argument 'x' is a numpy array"
+                       r".*torch.from_numpy"):
+        model(numpy.ones(4, dtype=numpy.float32), numpy.float32(2.0))

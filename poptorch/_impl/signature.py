@@ -64,6 +64,12 @@ class CallArguments:
         self._signature = signature
         self._paths: Optional[List[str]] = None
         for position, leaf in enumerate(self.leaves):
+            if _is_array(leaf):
+                raise Error(
+                    f"Argument '{self.paths[position]}' is a numpy array: "
+                    "pass it as a tensor (torch.from_numpy(array)), so that "
+                    "it is cut into micro-batches and may change between "
+                    "calls.")
             if holds_tensors(leaf):
                 raise Error(
                     f"Argument '{self.paths[position]}' is a "
@@ -105,6 +111,12 @@ class CallArguments:
     def tensors(self) -> List[torch.Tensor]:
         """The call's tensors, in flattening order."""
         return [self.leaves[i] for i in self.tensor_positions()]
+
+
+def _is_array(leaf: Any) -> bool:
+    """A numpy array with dimensions (numpy scalars are plain constants)."""
+    return (type(leaf).__module__ == "numpy"
+            and getattr(leaf, "ndim", 0) > 0)
 
 
 def holds_tensors(leaf: Any) -> bool:
