@@ -134,6 +134,26 @@ def test_set_optimizer_applies_lr_scheduler_without_recompiling(mlp, twin):
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
 
 
+def test_a_schedule_without_set_optimizer_is_reported_once(mlp, twin,
+                                                          poptorch_log):
+    """As PopTorch requires setOptimizer, a scheduler stepping the optimizer
+    alone changes nothing: training keeps the learning rate it was given,
+    and the change is logged once, naming it and setOptimizer."""
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    model = poptorch.trainingModel(mlp, options(), optimizer)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for call in range(3):
+        x, y = make_data(4, seed=call)
+        model(x, y)
+        scheduler.step()
+        reference_training(twin, reference, (x, y))
+    assert_same_weights(mlp, twin)
+    message = "The optimizer's lr in param group 0 changed from 0.1 to 0.05"
+    assert poptorch_log.text.count(message) == 1
+    assert "setOptimizer(optimizer)" in poptorch_log.text
+
+
 def test_a_scheduler_stepped_before_any_training_call_still_warns(mlp):
     optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)

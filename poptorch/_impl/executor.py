@@ -28,6 +28,7 @@ from .logger import logger, warn_once
 from .options.groups import freeze
 from .optimizers import optimizer_state
 from .optimizers.global_attributes import GlobalAttributes
+from .optimizers.unapplied_changes import GivenHyperParameters
 from .optimizers.plan import (OptimizerPlan, check_same_structure,
                               plan_optimizer, report_unexpected_attributes)
 from .signature import CallArguments
@@ -71,6 +72,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         self._plan: Optional[OptimizerPlan] = (
             plan_optimizer(optimizer, _host_params(module))
             if training else None)
+        self._given_hyper: Optional[GivenHyperParameters] = (
+            GivenHyperParameters(optimizer) if training else None)
         self._sync = weight_sync.attach(module)
         # Refuses a module another training model trains: before the
         # optimizer is linked, so that the refusal leaves it to that model.
@@ -232,6 +235,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._training:
             self._plan = plan_optimizer(self._optimizer,
                                         _host_params(self._module))
+            self._given_hyper = GivenHyperParameters(self._optimizer)
 
     def _prepare_host_weights(self) -> None:
         """Before a compilation reads the module's weights: register with
@@ -309,6 +313,8 @@ class PoplarExecutor(CompiledExecutionMethods):
                 "model cannot follow: call destroy() on it, and the next "
                 "call compiles the module as it is now (the trained weights "
                 "are on the host)")
+        if self._given_hyper is not None:
+            self._given_hyper.report_changes(self._optimizer)
         if self._training and self._trainable != [
                 param.requires_grad for _, param in params]:
             warn_once(
@@ -465,6 +471,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         optimizer_state.link(optimizer, self._link)
         self._optimizer = optimizer
         self._plan = plan
+        self._given_hyper = GivenHyperParameters(optimizer)
 
     @property
     def current_loss_scale(self) -> float:
