@@ -76,6 +76,28 @@ def test_writes_to_inputs_reach_the_caller(backend):
     _inference_writes_input(backend)
 
 
+class _WritesBoth(torch.nn.Module):
+    def forward(self, a, b):
+        a.mul_(2.0)
+        b.add_(1.0)
+        return a + b
+
+
+@pytest.mark.parametrize("backend", ["graph", "aot_eager"])
+def test_arguments_sharing_memory_are_separate_copies(backend):
+    """The same tensor passed twice (or a view of another argument) to a
+    forward that writes its arguments: each argument is its own copy, as
+    an IPU streams them, on every backend; the writes reach the caller in
+    argument order."""
+    x = torch.arange(4.0)
+    model = poptorch.inferenceModel(
+        _WritesBoth(), poptorch.Options().setBackend(backend))
+    out = model(x, x)
+    torch.testing.assert_close(out, torch.arange(4.0) * 2 +
+                               torch.arange(4.0) + 1)
+    torch.testing.assert_close(x, torch.arange(4.0) + 1)
+
+
 @pytest.mark.slow
 def test_inductor_training_matches_plain_pytorch():
     model = _train_against_reference("inductor", accumulation=2)

@@ -206,6 +206,8 @@ class CompiledModel:
             device_inputs = [t.to(self.state.device,
                                   non_blocking=True).contiguous()
                              for t in host_inputs]
+            if self.analysis.written_inputs:
+                device_inputs = _without_shared_memory(device_inputs)
             split = [layout.split(t) for t in device_inputs]
         timer.inputs_transferred()
         completed = False
@@ -428,6 +430,24 @@ class CompiledModel:
                 training.hyper = list(tensors[start + count:])
 
         return read, write
+
+
+def _without_shared_memory(inputs: List[torch.Tensor]
+                           ) -> List[torch.Tensor]:
+    """The inputs, each argument sharing memory with an earlier one (the
+    same tensor passed twice, a view of another) copied: as an IPU's input
+    streams do, and as every backend then does, a ``forward`` writing to
+    one argument does not change another (each is written back to the
+    caller's tensor in turn)."""
+    seen = set()
+    separate = []
+    for tensor in inputs:
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen:
+            tensor = tensor.clone()
+        seen.add(storage)
+        separate.append(tensor)
+    return separate
 
 
 def _engine(spec: ModelSpec, inputs: CompileInputs,
