@@ -141,6 +141,41 @@ def test_a_tensor_attribute_changed_on_the_host_stays_frozen(backend,
     assert "register it as a buffer" in poptorch_log.text
 
 
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.drop = torch.nn.Dropout(0.0)
+        self.temperature = 1.0
+
+    def forward(self, x, y):
+        logits = self.drop(self.fc(x)) / self.temperature
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("attribute", ["temperature", "drop.p"])
+def test_a_python_attribute_changed_after_compilation_is_reported(
+        attribute, poptorch_log):
+    """Plain Python attributes are compiled in, as PopTorch freezes them: an
+    annealed temperature or a dropout rate changed between calls has no
+    effect until destroy(), and the first change is logged once."""
+    torch.manual_seed(0)
+    module = _Tempered()
+    model = poptorch.trainingModel(module, options(), torch.optim.SGD(
+        module.parameters(), lr=0.0))
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    first = model(x, y)[1]
+    owner, name = (module.drop, "p") if attribute == "drop.p" else (
+        module, "temperature")
+    setattr(owner, name, 0.5)
+    torch.testing.assert_close(model(x, y)[1], first, atol=0, rtol=0)
+    model(x, y)
+    message = f"The attribute '{attribute}' of the wrapped module"
+    assert poptorch_log.text.count(message) == 1
+    model.destroy()
+    assert not torch.equal(model(x, y)[1], first)
+
+
 class _ScaledByCounter(torch.nn.Module):
     def __init__(self):
         super().__init__()

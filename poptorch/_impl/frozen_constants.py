@@ -1,52 +1,85 @@
-"""Tensors a compiled model holds as constants (plain tensor attributes,
-closure tensors): frozen at compilation, as PopTorch freezes them
-(``tracing_context.GraphConstants``). A program that changes one on the
-host between calls (a per-epoch class weighting kept as a plain attribute)
-would otherwise see no effect without a word: the change is reported once,
-naming the attribute and what to do instead."""
-from typing import List
+"""Values a compiled model holds as constants, frozen at compilation as
+PopTorch freezes them: tensors that are not parameters, buffers or
+arguments (plain tensor attributes, closure tensors;
+``tracing_context.GraphConstants``), and the plain Python attributes of the
+module and its sub-modules (a temperature, a curriculum's length,
+``dropout.p``). A program that changes one on the host between calls (a
+per-epoch class weighting, an annealed temperature) would otherwise see no
+effect without a word: the first change is reported once, naming the
+attribute and what to do instead."""
+from typing import Dict, List
 
 import torch
 
 from .logger import warn_once
 from .weight_sync import host_reads_suspended
 
+_PLAIN_TYPES = (bool, int, float, str)
+
 
 class FrozenConstants:
-    """The user's tensors a compilation read as constants, and how often
-    each had been written when it was compiled."""
+    """The user's tensors a compilation read as constants, how often each
+    had been written when it was compiled, and the module's plain Python
+    attributes then."""
 
     def __init__(self, module: torch.nn.Module,
                  tensors: List[torch.Tensor]) -> None:
         self._module = module
         self._tensors = [(tensor, tensor._version) for tensor in tensors]
+        self._attributes = _plain_attributes(module)
         self._reported = False
 
     def report_changes(self) -> None:
-        """Warn once when a constant has been written since compilation."""
+        """Warn once when a constant has changed since compilation."""
         if self._reported:
             return
         changed = [tensor for tensor, version in self._tensors
                    if tensor._version != version]
         if changed:
-            self._reported = True
-            warn_once(
-                f"{self._describe(changed)} changed after the model was "
-                "compiled. The compiled model keeps the values they had "
-                "when it was compiled, as PopTorch does for tensors that "
-                "are not parameters, buffers or arguments. To change such "
-                "a tensor between calls, register it as a buffer "
-                "(module.register_buffer) and call copyWeightsToDevice(), "
-                "or pass it as an argument; destroy() compiles the model "
-                "again with the new values.")
+            self._warn(f"Tensors that forward reads as constants "
+                       f"({self._tensor_names(changed)})",
+                       "register it as a buffer (module.register_buffer) "
+                       "and call copyWeightsToDevice(), or pass it as an "
+                       "argument")
+            return
+        attributes = _plain_attributes(self._module)
+        if attributes != self._attributes:
+            name = next(name for name in sorted(attributes.keys() |
+                                                self._attributes.keys())
+                        if attributes.get(name) != self._attributes.get(name))
+            self._warn(f"The attribute '{name}' of the wrapped module "
+                       f"({self._attributes.get(name)!r} when compiled, now "
+                       f"{attributes.get(name)!r})",
+                       "keep the value in a buffer (module.register_buffer) "
+                       "and call copyWeightsToDevice(), or pass it as an "
+                       "argument")
 
-    def _describe(self, tensors: List[torch.Tensor]) -> str:
+    def _warn(self, what: str, remedy: str) -> None:
+        self._reported = True
+        warn_once(
+            f"{what} changed after the model was compiled. The compiled "
+            "model keeps the values it was compiled with, as PopTorch "
+            "does for values that are not parameters, buffers or "
+            f"arguments. To change such a value between calls, {remedy}; "
+            "destroy() compiles the model again with the new values.")
+
+    def _tensor_names(self, tensors: List[torch.Tensor]) -> str:
         with host_reads_suspended():
             named = {id(value): f"'{prefix}{'.' if prefix else ''}{name}'"
                      for prefix, sub in self._module.named_modules()
                      for name, value in vars(sub).items()
                      if isinstance(value, torch.Tensor)}
-        names = [named.get(id(tensor), f"one of shape {tuple(tensor.shape)} "
-                           "(a closure or global)")
-                 for tensor in tensors]
-        return f"Tensors that forward reads as constants ({', '.join(names)})"
+        return ", ".join(
+            named.get(id(tensor), f"one of shape {tuple(tensor.shape)} "
+                      "(a closure or global)") for tensor in tensors)
+
+
+def _plain_attributes(module: torch.nn.Module) -> Dict[str, object]:
+    """The public attributes of plain Python types of the module and its
+    sub-modules (their ``training`` flags aside), by dotted name."""
+    with host_reads_suspended():
+        return {f"{prefix}{'.' if prefix else ''}{name}": value
+                for prefix, sub in module.named_modules()
+                for name, value in vars(sub).items()
+                if type(value) in _PLAIN_TYPES and name != "training"
+                and not name.startswith("_")}
