@@ -254,6 +254,10 @@ def test_uploading_weights_of_another_dtype_or_shape_is_an_error(mlp, twin):
                        "tensor of shape .* dtype torch.float16 but the model "
                        "was compiled for .* torch.float32"):
         model.copyWeightsToDevice()
+    with pytest.raises(poptorch.Error, match=r"changed dtype after this "
+                       r"model was compiled \('fc1.weight' is torch.float16,"
+                       r" compiled as torch.float32"):
+        model(x, y)
     mlp.float()
     model.copyWeightsToDevice()
     model(x, y)

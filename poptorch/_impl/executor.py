@@ -221,6 +221,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._training:
             self._link.device_state = compiled.training.optimizer_state
             self._trainable = _trainable(self._module)
+        self._param_dtypes = [param.dtype
+                              for param in _host_params(self._module)]
         self._structure = self._sync.structure
         self._loaded_version = self._sync.version
         self._destroyed = False
@@ -313,6 +315,16 @@ class PoplarExecutor(CompiledExecutionMethods):
                 "model cannot follow: call destroy() on it, and the next "
                 "call compiles the module as it is now (the trained weights "
                 "are on the host)")
+        changed = [(name, then, param.dtype) for (name, param), then
+                   in zip(params, self._param_dtypes) if param.dtype != then]
+        if changed:
+            name, then, now = changed[0]
+            raise Error(
+                f"The parameters of the wrapped {type(self._module).__name__}"
+                f" changed dtype after this model was compiled ('{name}' is "
+                f"{now}, compiled as {then}: module.half() or .float()), "
+                "which the compiled model cannot follow: call destroy() on "
+                "it, and the next call compiles the module as it is now.")
         if self._given_hyper is not None:
             self._given_hyper.report_changes(self._optimizer)
         if self._training and self._trainable != [
