@@ -300,6 +300,32 @@ def test_two_unrelated_losses_are_an_error():
     # Each final loss is named by the user's line that computed it.
     assert str(error.value).count("test_losses.py\", line") == 2
     assert "mse_loss(out, torch.zeros_like(out))" in str(error.value)
+    assert "under torch.no_grad()" in str(error.value)
+
+
+def test_a_loss_computed_under_no_grad_is_a_returned_metric(mlp, twin):
+    """The remedy the error above names: a per-sample loss returned for
+    logging, computed under no_grad, is not taken for a training loss."""
+    class WithMetric(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            out, loss = self.net(x, y)
+            with torch.no_grad():
+                per_sample = torch.nn.functional.cross_entropy(
+                    out, y, reduction="none")
+            return loss, per_sample
+
+    x, y = make_data(4)
+    model = poptorch.trainingModel(WithMetric(mlp), options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.1))
+    loss, per_sample = model(x, y)
+    torch.testing.assert_close(loss, per_sample.mean())
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       (x, y))
+    assert_same_weights(mlp, twin)
 
 
 def test_backward_on_an_output_explains_it_is_automatic(mlp):

@@ -117,7 +117,10 @@ SEVERAL_LOSSES_MESSAGE = (
     "The training model computed {count} unrelated final losses ({where}). The "
     "backward pass starts from one final loss: combine them into one tensor "
     "and wrap it in poptorch.identity_loss, for example "
-    "poptorch.identity_loss(loss_a + loss_b, reduction='none').")
+    "poptorch.identity_loss(loss_a + loss_b, reduction='none'). A loss "
+    "computed only to be returned (a metric, a detached per-sample loss) "
+    "can be computed under torch.no_grad(), so that it is not taken for a "
+    "training loss.")
 
 SEVERAL_TOTALS_MESSAGE = (
     "The training model returns several single-element values computed "
