@@ -298,6 +298,30 @@ def test_torch_checkpoint_recomputes_with_the_current_weights(replicas,
     assert compiled_model(model).engine.replicas.path == path
 
 
+class _CheckpointedDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1000))
+
+    def forward(self, x):
+        out = torch.utils.checkpoint.checkpoint(
+            lambda x: F.dropout(self.weight * x, 0.5, self.training), x,
+            use_reentrant=False)
+        return out, poptorch.identity_loss(out.sum(), reduction="sum")
+
+
+def test_recomputed_dropout_keeps_the_forward_pass_mask():
+    """As PyTorch's checkpoint restores the random generator's state, its
+    recomputation draws the forward pass's dropout mask: the gradient is
+    2 where the forward pass kept an element, 0 where it dropped one."""
+    net = _CheckpointedDropout()
+    model = poptorch.trainingModel(net, poptorch.Options().randomSeed(0),
+                                   torch.optim.SGD(net.parameters(), lr=1.0))
+    out, _ = model(torch.ones(1000))
+    gradient = 1.0 - net.weight.detach()
+    torch.testing.assert_close(gradient, (out != 0).float() * 2.0)
+
+
 def test_reentrant_torch_checkpoint_is_an_error_naming_the_fix():
     model = poptorch.trainingModel(_Checkpointed(reentrant=True))
     with pytest.raises(poptorch.Error, match="use_reentrant"):

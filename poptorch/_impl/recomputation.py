@@ -7,21 +7,85 @@ and outside the module calls that enabled automatic casting there: the
 recomputation would skip the capture's casts and layer rewrites (half/float
 casting, automatic casting, cumulative BatchNorm averages, recurrent
 layers) and differ from the forward pass, which torch reports as
-recomputed tensors with different metadata. ``with_modes`` makes each
-recomputation run inside the capture's modes and the automatic-casting
-scopes that were open when the checkpoint was called, by wrapping the
-function torch hands to its recomputation
+recomputed tensors with different metadata; and it would draw new random
+numbers (a new dropout mask), where PyTorch restores the generator's state
+(``preserve_rng_state=True``). ``with_modes`` makes each recomputation run
+inside the capture's modes and the automatic-casting scopes that were open
+when the checkpoint was called, drawing the random numbers the forward pass
+drew, by wrapping the function torch hands to its recomputation
 (``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, a
 torch 2.13 internal; without it nothing is wrapped).
 """
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, List
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .precision import automatic_casting
 
 _GENERATOR = "_checkpoint_without_reentrant_generator"
+
+
+class _RandomDraws:
+    """The random numbers a checkpointed function drew in the forward pass,
+    drawn again, in the same order, by its recomputation: as PyTorch's
+    ``preserve_rng_state=True`` does by restoring the generator's state, so
+    that a recomputed dropout keeps the forward pass's mask (a captured
+    graph holds no generator state to restore)."""
+
+    def __init__(self) -> None:
+        self.values: List[object] = []
+
+    def recording(self) -> TorchDispatchMode:
+        return _Draws(self.values, replay=False)
+
+    def replaying(self) -> TorchDispatchMode:
+        return _Draws(list(self.values), replay=True)
+
+
+def _draws_random_numbers(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+class _Draws(TorchDispatchMode):
+    """Records the results of random operations, or hands them back in the
+    order recorded (an in-place one writes the recorded value)."""
+
+    def __init__(self, values: List[object], replay: bool) -> None:
+        super().__init__()
+        self._values = values
+        self._replay = replay
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _draws_random_numbers(func):
+            return func(*args, **kwargs)
+        mutable = func._schema.is_mutable
+        if self._replay and self._values:
+            value = self._values.pop(0)
+            if mutable:
+                return args[0].copy_(value)
+            return value
+        result = func(*args, **kwargs)
+        if not self._replay:
+            self._values.append(result.clone() if mutable else result)
+        return result
+
+
+def _forward_recorded(inner, draws: _RandomDraws):
+    """torch's checkpoint generator ``inner`` (pre-forward logic, the
+    forward pass, post-forward logic) with the forward pass's random draws
+    recorded."""
+    value = next(inner)
+    try:
+        with draws.recording():
+            yield value
+    except BaseException as error:
+        inner.throw(error)
+        raise
+    yield from inner
 
 
 @contextlib.contextmanager
@@ -34,14 +98,19 @@ def with_modes(enter_modes: Callable[[], contextlib.ExitStack]
         yield
         return
 
-    def generator(function, *args, **kwargs):
+    def generator(function, preserve_rng_state=True, *args, **kwargs):
         scopes = automatic_casting.current_scopes()
+        draws = _RandomDraws()
 
         def recompute(*inputs, **keywords):
-            with enter_modes(), automatic_casting.scopes_as(scopes):
+            with enter_modes(), automatic_casting.scopes_as(scopes), \
+                    (draws.replaying() if preserve_rng_state
+                     else contextlib.nullcontext()):
                 return function(*inputs, **keywords)
 
-        return original(recompute, *args, **kwargs)
+        inner = original(recompute, preserve_rng_state, *args, **kwargs)
+        return (_forward_recorded(inner, draws) if preserve_rng_state
+                else inner)
 
     setattr(torch_checkpoint, _GENERATOR, generator)
     try:
