@@ -158,3 +158,32 @@ def test_a_buffer_resized_in_place_is_an_error():
     with pytest.raises(poptorch.Error, match=r"Buffer 'seen' changes shape "
                        r"in forward, from \(1,\) to \(4,\)"):
         model(torch.ones(2, 4))
+
+
+@pytest.mark.filterwarnings("ignore")  # torch.ao deprecation notices
+def test_a_converted_integer_model_is_refused_naming_a_layer():
+    """After torch.ao's convert() the layers hold quantized tensors; a
+    quantizable float model's FloatFunctional still runs."""
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.add = torch.ao.nn.quantized.FloatFunctional()
+
+        def forward(self, x):
+            return self.add.add(self.fc(x), x)
+
+    net = Residual().eval()
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(poptorch.inferenceModel(net)(x), net(x))
+    quantized = torch.nn.Sequential(torch.ao.quantization.QuantStub(),
+                                    torch.nn.Linear(4, 2),
+                                    torch.ao.quantization.DeQuantStub())
+    quantized.eval().qconfig = torch.ao.quantization.get_default_qconfig(
+        "fbgemm")
+    torch.ao.quantization.prepare(quantized, inplace=True)
+    quantized(x)
+    torch.ao.quantization.convert(quantized, inplace=True)
+    with pytest.raises(poptorch.Error, match=r"integer-quantized layers "
+                       r"\('0' \(Quantize\).*before convert\(\)"):
+        poptorch.inferenceModel(quantized)(x)

@@ -329,6 +329,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
     training model's parameters that require gradients do so in the trace,
     as in the training step, so that ``forward`` may differentiate with
     respect to them (MAML's inner step)."""
+    _refuse_quantized_modules(call.module)
     found = {}
     tracked = [training and parameter.requires_grad
                for parameter in call.module_parameters()]
@@ -375,6 +376,30 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
             i for i, node in enumerate(_placeholders(graph)[:len(params)])
             if node in reaching]
     return analysis
+
+
+#: torch.ao.nn.quantized's modules that compute in floating point (a
+#: quantizable model's additions before convert()).
+_FLOAT_QUANTIZED_MODULES = ("FloatFunctional", "FXFloatFunctional")
+
+
+def _refuse_quantized_modules(module: torch.nn.Module) -> None:
+    """Integer-quantized layers (a model after torch.ao's ``convert``) run
+    PyTorch's quantized CPU kernels on quantized tensors, which a captured
+    graph cannot hold."""
+    with host_reads_suspended():
+        quantized = [f"'{name}' ({type(sub).__name__})"
+                     for name, sub in module.named_modules()
+                     if type(sub).__module__.startswith(
+                         "torch.ao.nn.quantized")
+                     and type(sub).__name__ not in _FLOAT_QUANTIZED_MODULES]
+    if quantized:
+        raise Error(
+            f"The model holds integer-quantized layers ({quantized[0]}, "
+            "from torch.ao.quantization.convert), whose quantized tensors a "
+            "compiled model cannot hold. Wrap the model before convert() "
+            "(quantization-aware training runs in floating point), and run "
+            "the converted model in PyTorch.")
 
 
 def _refuse_objects_holding_tensors(leaves: List[object]) -> None:
