@@ -29,8 +29,9 @@ def check_return_period(mode: OutputMode, period: int,
     N (as PopART's return period must divide its batches per step)."""
     if mode == OutputMode.EveryN and device_iterations % period:
         raise Error(
-            f"outputMode(EveryN, {period}) returns the outputs of every "
-            f"{period}th device iteration, but a call runs deviceIterations "
+            f"outputMode(EveryN, {period}) returns the outputs of device "
+            f"iterations {period}, {2 * period}, ..., but a call runs "
+            f"deviceIterations "
             f"= {device_iterations}, which is not a multiple of {period}")
 
 
