@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import poptorch
-from conftest import assert_same_weights, make_data, options
+from conftest import WithLoss, assert_same_weights, make_data, options
 
 
 class MomentumEncoder(torch.nn.Module):
@@ -99,25 +99,15 @@ def _qat_linear():
     return torch.ao.quantization.prepare_qat(net.train(), inplace=True)
 
 
-class _WithLoss(torch.nn.Module):
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x, y):
-        logits = self.net(x)
-        return logits, torch.nn.functional.cross_entropy(logits, y)
-
-
 @pytest.mark.filterwarnings("ignore")  # torch.ao deprecation notices
 def test_buffers_resized_by_observers_are_an_error_before_any_change():
     """The fused observers' fake kernels keep the shapes the real kernels
     change: the call that resizes is rolled back and names the buffer."""
-    module = _WithLoss(_qat_linear())
+    module = WithLoss(_qat_linear())
     snapshot = copy.deepcopy(module)
     model = poptorch.trainingModel(module, options(2), torch.optim.SGD(
         module.parameters(), lr=0.1))
-    with pytest.raises(poptorch.Error, match="Buffer 'net.1.weight_fake_"
+    with pytest.raises(poptorch.Error, match="Buffer 'model.1.weight_fake_"
                        r"quant.scale' changes shape in forward, from \(1,\) "
                        r"to \(3,\).*Run the module once"):
         model(*make_data(4))
@@ -127,7 +117,7 @@ def test_buffers_resized_by_observers_are_an_error_before_any_change():
 
 @pytest.mark.filterwarnings("ignore")  # torch.ao deprecation notices
 def test_qat_after_a_first_pytorch_call_trains_like_pytorch():
-    module = _WithLoss(_qat_linear())
+    module = WithLoss(_qat_linear())
     x, y = make_data(4)
     with torch.no_grad():
         module(x, y)

@@ -8,7 +8,7 @@ from torch.nn.utils import prune
 
 import poptorch
 from poptorch._impl.device_state import DeviceState
-from conftest import (ClassifierMLP, assert_same_weights,
+from conftest import (ClassifierMLP, WithLoss, assert_same_weights,
                       assert_trains_like_plain_pytorch, make_data, options)
 
 
@@ -89,18 +89,6 @@ def test_calling_a_module_that_reaches_its_layers_by_closure_is_current():
     torch.nn.functional.cross_entropy(reference(x), y).backward()
     optimizer.step()
     torch.testing.assert_close(module(x), reference(x), rtol=0, atol=1e-6)
-
-
-class WithLoss(torch.nn.Module):
-    """The tutorials' wrapper: a model and its loss."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x, y):
-        out = self.model(x)
-        return out, torch.nn.functional.cross_entropy(out, y)
 
 
 READS_OF_AN_INNER_MODULE = {
@@ -337,7 +325,7 @@ def test_layers_are_recognised_by_their_class_after_wrapping():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
                               torch.nn.Linear(4, 3))
-    model = poptorch.trainingModel(_WithLoss(net), options(),
+    model = poptorch.trainingModel(WithLoss(net), options(),
                                    torch.optim.SGD(net.parameters(), lr=0.5))
     model(*make_data(4))
     assert type(net[0]) == torch.nn.Linear  # noqa: E721
@@ -353,16 +341,6 @@ def test_layers_are_recognised_by_their_class_after_wrapping():
     assert all((layer.bias == 0.25).all() for layer in (net[0], net[2]))
 
 
-class _WithLoss(torch.nn.Module):
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x, y):
-        logits = self.net(x)
-        return logits, torch.nn.functional.cross_entropy(logits, y)
-
-
 @pytest.mark.filterwarnings("ignore")  # torch.ao deprecation notices
 def test_qat_batch_norm_statistics_freeze_after_wrapping():
     qat = torch.ao.nn.intrinsic.qat
@@ -375,7 +353,7 @@ def test_qat_batch_norm_statistics_freeze_after_wrapping():
     x, y = torch.randn(2, 1, 4, 4), torch.tensor([0, 5])
     with torch.no_grad():
         net(x)
-    model = poptorch.trainingModel(_WithLoss(net), options(),
+    model = poptorch.trainingModel(WithLoss(net), options(),
                                    torch.optim.SGD(net.parameters(), lr=0.1))
     model(x, y)
     net.apply(qat.freeze_bn_stats)
