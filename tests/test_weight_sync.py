@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 import torch
-from torch.nn.utils import prune
+from torch.nn.utils import parametrize, prune
 
 import poptorch
 from poptorch._impl.device_state import DeviceState
@@ -547,6 +547,29 @@ def test_pruning_after_training_needs_a_new_compilation(mlp, twin):
     model.setOptimizer(torch.optim.SGD(mlp.parameters(), lr=0.5))
     model(x, y)
     _sgd_step(twin, x, y)
+    assert_same_weights(mlp, twin)
+
+
+class _HalfMask(torch.nn.Module):
+    def forward(self, weight):
+        return weight * torch.tensor([1.0, 0.0, 1.0, 0.0])
+
+
+def test_parametrizations_are_removed_from_a_wrapped_module(mlp, twin):
+    """torch.nn.utils.parametrize edits its layer's class itself: a
+    parametrized layer keeps its class while wrapped, so that
+    remove_parametrizations works (it crashed) and leaves the trained
+    weights."""
+    x, y = make_data(4)
+    for net in (mlp, twin):
+        parametrize.register_parametrization(net.fc1, "weight", _HalfMask())
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    _sgd_step(twin, x, y)
+    for net in (mlp, twin):
+        parametrize.remove_parametrizations(net.fc1, "weight")
+    assert type(mlp.fc1) is torch.nn.Linear
     assert_same_weights(mlp, twin)
 
 

@@ -34,6 +34,7 @@ import weakref
 from typing import Iterable, Iterator, List, Optional
 
 import torch
+from torch.nn.utils import parametrize
 
 from ..errors import Error
 
@@ -176,7 +177,8 @@ def detach(module: torch.nn.Module) -> None:
             syncs.remove(sync)
         if not syncs:
             sub.__dict__.pop(_SYNCS_ATTRIBUTE, None)
-            sub.__class__ = type(sub)._poptorch_original_class
+            if "_poptorch_original_class" in type(sub).__dict__:
+                sub.__class__ = type(sub)._poptorch_original_class
 
 
 def _hook(module: torch.nn.Module, syncs: List[ModuleSync]) -> None:
@@ -191,10 +193,12 @@ def _hook(module: torch.nn.Module, syncs: List[ModuleSync]) -> None:
 
 def _hookable(module: torch.nn.Module) -> List[torch.nn.Module]:
     """The module and its sub-modules, once each, without TorchScript
-    modules (whose class cannot change)."""
+    modules (whose class cannot change) and parametrized modules (whose
+    class ``torch.nn.utils.parametrize`` swaps and edits itself)."""
     with host_reads_suspended():
         return [sub for sub in module.modules()
-                if not isinstance(sub, torch.jit.ScriptModule)]
+                if not isinstance(sub, torch.jit.ScriptModule)
+                and not parametrize.is_parametrized(sub)]
 
 
 def sync_of(module: torch.nn.Module) -> Optional[ModuleSync]:
