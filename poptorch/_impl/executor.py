@@ -625,9 +625,9 @@ def _modes_changed(module: torch.nn.Module, training: bool,
             f"changed after {wrapper}() wrapped it. The model compiles with "
             f"{', and '.join(parts)}: PopTorch wraps a shallow copy of the "
             "module, which shares the sub-modules but not the module's own "
-            "training flag. Call model.train() or model.eval() as required "
-            "before wrapping, or poptorch_model.train()/eval() before the "
-            "model's first call")
+            "training flag. If that is not what you meant, call "
+            "model.train() or model.eval() as required before wrapping, or "
+            "poptorch_model.train()/eval() before the model compiles")
 
 
 def _mode(training: bool) -> str:
