@@ -6,6 +6,7 @@ from typing import Dict, List
 import torch
 
 from ..errors import Error
+from .logger import warn_once
 
 
 def _copy(tensors: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
@@ -127,10 +128,23 @@ class DeviceState:
                         f"compiled for {_describe(device)}; call destroy() "
                         "to compile the model again for the new buffer")
                 device.copy_(host)
+            self._host_marks[len(self.param_names) + index] = \
+                _marks([host])[0]
 
     @torch.no_grad()
     def store_to_host(self, module: torch.nn.Module) -> None:
-        """Copy parameters and the first replica's buffers to the module."""
+        """Copy parameters and the first replica's buffers to the module
+        (a change the program made to them in place since the last copy,
+        which the copy replaces, is logged once)."""
+        changed = self.host_changed(module)
+        if changed:
+            warn_once(
+                f"{changed} changed on the host since the model last copied "
+                "its weights to or from the device, and copying the "
+                "device's weights to the host now replaces the change: call "
+                "copyWeightsToDevice() after changing weights or buffers in "
+                "place (as PopTorch, the device does not see such changes "
+                "otherwise).")
         params, buffers = self._host_tensors(module)
         if params:
             torch._foreach_copy_(params, self.whole_params())
