@@ -99,6 +99,50 @@ def test_a_tensor_still_read_later_is_not_overwritten():
     assert aten.add.Tensor in _targets(graph)
 
 
+def test_a_view_of_a_tensor_written_in_place_keeps_it_alive():
+    """``h = x * 3`` runs in place on x's copy; ``h`` is then read through
+    a view (a linear layer's reshape) after ``h + out``: that addition may
+    not overwrite h (the weight gradient of ``h = h + fc(h)`` was wrong)."""
+    def fn(x, weight):
+        h = torch.exp(x) * 3.0
+        flat = h.reshape(-1, 4)
+        out = (flat @ weight).reshape(h.shape)
+        total = h + out
+        return [total, flat.t() @ total.reshape(-1, 4)]
+
+    expected, result, _, _ = _run_both(fn, [torch.randn(2, 3, 4),
+                                            torch.randn(4, 4)])
+    torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+class _ScaledResidual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(24, 16)
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, tokens):
+        h = self.embedding(tokens) * 3.0
+        h = h + self.fc(h)
+        return poptorch.identity_loss((h ** 2).mean(), reduction="mean")
+
+
+def test_a_residual_around_a_linear_layer_trains_like_pytorch():
+    torch.manual_seed(0)
+    net = _ScaledResidual()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    tokens = torch.randint(0, 24, (8, 12))
+    for _ in range(2):
+        model(tokens)
+        reference.zero_grad()
+        twin(tokens).backward()
+        reference.step()
+    assert_same_weights(net, twin)
+
+
 @pytest.mark.parametrize("fn, inputs", [
     # a broadcast result is larger than the first operand
     (lambda x, y: [x + y], [torch.randn(1, 4), torch.randn(3, 4)]),

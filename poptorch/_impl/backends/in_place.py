@@ -140,11 +140,12 @@ class _Storage:
         self.aliases.setdefault(root, []).append(node)
 
     def move(self, node: Node, operand: Node) -> None:
-        """``node`` now lives in ``operand``'s storage, all of it."""
+        """``node`` now lives in ``operand``'s storage, all of it, and so do
+        the views of ``node``: the storage's last use counts theirs."""
         root = self.root[operand]
-        self.aliases[self.root[node]].remove(node)
-        self.root[node] = root
-        self.aliases[root].append(node)
+        for alias in self.aliases.pop(self.root[node]):
+            self.root[alias] = root
+            self.aliases[root].append(alias)
         self.writable.discard(node)
 
     def last_use(self, root: Node) -> int:
