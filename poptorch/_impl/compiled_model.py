@@ -186,15 +186,17 @@ class CompiledModel:
         self.constants.report_changes()
         tiers = self.session.tiers
         if tiers is None:
-            return self._call(host_inputs, progress)
-        tiers.before_call()
-        start = time.perf_counter()
-        completed = False
-        try:
             outputs = self._call(host_inputs, progress)
-            completed = True
-        finally:
-            tiers.after_call(time.perf_counter() - start, completed)
+        else:
+            tiers.before_call()
+            start = time.perf_counter()
+            completed = False
+            try:
+                outputs = self._call(host_inputs, progress)
+                completed = True
+            finally:
+                tiers.after_call(time.perf_counter() - start, completed)
+        self.constants.remember_values()
         return outputs
 
     def _call(self, host_inputs: List[torch.Tensor],

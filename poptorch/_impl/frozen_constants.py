@@ -25,12 +25,20 @@ class FrozenConstants:
     def __init__(self, module: torch.nn.Module,
                  tensors: List[torch.Tensor]) -> None:
         self._module = module
-        self._tensors = [(tensor, tensor._version) for tensor in tensors]
-        self._attributes = _plain_attributes(module)
+        self._constants = tensors
         self._reported = False
+        self.remember_values()
+
+    def remember_values(self) -> None:
+        """Take the values now as those compiled in: at compilation, and
+        after each call, whose host code (``poptorch.CPU`` functions) may
+        change the module's attributes as it runs."""
+        self._tensors = [(tensor, tensor._version)
+                         for tensor in self._constants]
+        self._attributes = _plain_attributes(self._module)
 
     def report_changes(self) -> None:
-        """Warn once when a constant has changed since compilation."""
+        """Warn once when a constant has changed since the last call."""
         if self._reported:
             return
         changed = [tensor for tensor, version in self._tensors
