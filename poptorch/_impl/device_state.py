@@ -136,7 +136,8 @@ class DeviceState:
         """Copy parameters and the first replica's buffers to the module
         (a change the program made to them in place since the last copy,
         which the copy replaces, is logged once)."""
-        changed = self.host_changed(module)
+        params, buffers = self._host_tensors(module)
+        changed = self._changed(params + buffers)
         if changed:
             warn_once(
                 f"{changed} changed on the host since the model last copied "
@@ -145,7 +146,6 @@ class DeviceState:
                 "copyWeightsToDevice() after changing weights or buffers in "
                 "place (as PopTorch, the device does not see such changes "
                 "otherwise).")
-        params, buffers = self._host_tensors(module)
         if params:
             torch._foreach_copy_(params, self.whole_params())
         if buffers:
@@ -157,9 +157,14 @@ class DeviceState:
         place (or given other storage) since the last copy between them
         and the device. Writes through ``.data`` are not seen."""
         params, buffers = self._host_tensors(module)
+        return self._changed(params + buffers)
+
+    def _changed(self, host: List[torch.Tensor]) -> List[str]:
+        """The names of the ``host`` tensors (parameters, then buffers)
+        whose marks differ from those of the last copy."""
         names = self.param_names + self.buffer_names
         return [name for name, mark, now in zip(
-            names, self._host_marks, _marks(params + buffers)) if mark != now]
+            names, self._host_marks, _marks(host)) if mark != now]
 
     def move(self, device: torch.device) -> None:
         """Move every state tensor to ``device`` (attach / detach)."""

@@ -7,7 +7,7 @@ module and its sub-modules (a temperature, a curriculum's length,
 per-epoch class weighting, an annealed temperature) would otherwise see no
 effect without a word: the first change is reported once, naming the
 attribute and what to do instead."""
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -33,6 +33,8 @@ class FrozenConstants:
         """Take the values now as those compiled in: at compilation, and
         after each call, whose host code (``poptorch.CPU`` functions) may
         change the module's attributes as it runs."""
+        if self._reported:
+            return
         self._tensors = [(tensor, tensor._version)
                          for tensor in self._constants]
         self._attributes = _plain_attributes(self._module)
@@ -72,11 +74,9 @@ class FrozenConstants:
             "destroy() compiles the model again with the new values.")
 
     def _tensor_names(self, tensors: List[torch.Tensor]) -> str:
-        with host_reads_suspended():
-            named = {id(value): f"'{prefix}{'.' if prefix else ''}{name}'"
-                     for prefix, sub in self._module.named_modules()
-                     for name, value in vars(sub).items()
-                     if isinstance(value, torch.Tensor)}
+        named = {id(value): f"'{dotted}'"
+                 for dotted, _, value in _attributes(self._module)
+                 if isinstance(value, torch.Tensor)}
         return ", ".join(
             named.get(id(tensor), f"one of shape {tuple(tensor.shape)} "
                       "(a closure or global)") for tensor in tensors)
@@ -85,9 +85,15 @@ class FrozenConstants:
 def _plain_attributes(module: torch.nn.Module) -> Dict[str, object]:
     """The public attributes of plain Python types of the module and its
     sub-modules (their ``training`` flags aside), by dotted name."""
+    return {dotted: value for dotted, name, value in _attributes(module)
+            if type(value) in _PLAIN_TYPES and name != "training"
+            and not name.startswith("_")}
+
+
+def _attributes(module: torch.nn.Module) -> List[Tuple[str, str, object]]:
+    """(dotted name, own name, value) of each instance attribute of the
+    module and its sub-modules."""
     with host_reads_suspended():
-        return {f"{prefix}{'.' if prefix else ''}{name}": value
+        return [(f"{prefix}{'.' if prefix else ''}{name}", name, value)
                 for prefix, sub in module.named_modules()
-                for name, value in vars(sub).items()
-                if type(value) in _PLAIN_TYPES and name != "training"
-                and not name.startswith("_")}
+                for name, value in vars(sub).items()]

@@ -7,8 +7,12 @@ whose dicts hold the compiled keys in another order, or whose dicts are of
 another standard type (``dict``, ``OrderedDict``, ``defaultdict``), matches
 the compiled call key by key. Other subclasses of ``dict``, which
 ``torch.utils._pytree`` does not know, reach ``forward`` as plain dicts;
-returned by the model, they keep their type (``DictOfType``), and so do
-returned dataclass instances (``DataclassOfType``).
+returned by the model, they keep their type (``DictOfType``). Dataclass
+instances and subclasses of ``tuple`` and ``list`` (not named tuples) are
+flattened by field or item, as arguments and as outputs, and rebuilt as
+their own types (``DataclassOfType``, ``SequenceOfType``). Other objects
+holding tensors, and numpy arrays, are refused as arguments
+(``CallArguments``); the capture refuses them as outputs.
 
 A value whose type has a parser registered with
 ``poptorch.registerCustomArgParser`` is flattened by that parser
@@ -155,8 +159,10 @@ def flattenable(tree: Any, keep_dict_types: bool = False) -> Any:
     as a plain dict, so that its values are flattened rather than taken as
     one leaf, or, with ``keep_dict_types`` (a model's outputs), as a
     ``DictOfType`` that unflattens to its own type again; each dataclass
-    instance as a ``DataclassOfType``, which does too; each value of a type with a registered custom parser as a
-    ``CustomArgument``, flattened by its parser."""
+    instance and each ``tuple`` or ``list`` subclass instance as a
+    ``DataclassOfType`` or ``SequenceOfType``, which do too; each value of
+    a type with a registered custom parser as a ``CustomArgument``,
+    flattened by its parser."""
     def replace(value: Any) -> Any:
         if _unknown_dict(value):
             items = {key: flattenable(item, keep_dict_types)

@@ -47,7 +47,7 @@
 import contextlib
 import contextvars
 import logging
-from typing import Dict, Iterator, Optional, Tuple
+from typing import ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch._dynamo
 import torch.nn.functional as F
@@ -94,32 +94,34 @@ _written: contextvars.ContextVar = contextvars.ContextVar(
     "poptorch_written_constants", default=None)
 
 
-@contextlib.contextmanager
-def written_constants() -> Iterator[Dict[int, torch.Tensor]]:
-    """In the block, collect the constants an operation wrote: {id of the
-    copy written: the user's tensor, unchanged}."""
-    found: Dict[int, torch.Tensor] = {}
-    token = _written.set(found)
-    try:
-        yield found
-    finally:
-        _written.reset(token)
-
-
+#: The user's tensors the captures in progress read as constants: id ->
+#: the tensor.
 _read: contextvars.ContextVar = contextvars.ContextVar(
     "poptorch_read_constants", default=None)
 
 
 @contextlib.contextmanager
-def read_constants() -> Iterator[Dict[int, torch.Tensor]]:
-    """In the block, collect the user's tensors that captures read as
-    constants: {id: tensor}."""
+def _collected(registry: contextvars.ContextVar
+               ) -> Iterator[Dict[int, torch.Tensor]]:
+    """A new dict that ``registry`` holds while the block runs."""
     found: Dict[int, torch.Tensor] = {}
-    token = _read.set(found)
+    token = registry.set(found)
     try:
         yield found
     finally:
-        _read.reset(token)
+        registry.reset(token)
+
+
+def written_constants() -> ContextManager[Dict[int, torch.Tensor]]:
+    """In the block, collect the constants an operation wrote: {id of the
+    copy written: the user's tensor, unchanged}."""
+    return _collected(_written)
+
+
+def read_constants() -> ContextManager[Dict[int, torch.Tensor]]:
+    """In the block, collect the user's tensors that captures read as
+    constants: {id: tensor}."""
+    return _collected(_read)
 
 
 class GraphConstants(TorchFunctionMode):
