@@ -550,6 +550,70 @@ def test_pruning_after_training_needs_a_new_compilation(mlp, twin):
     assert_same_weights(mlp, twin)
 
 
+def test_iterative_pruning_ranks_the_trained_weights(mlp, twin):
+    """The pruned weight PyTorch keeps as an attribute (weight_orig *
+    weight_mask, set as the layer runs) is the trained one when read after
+    training: the next round of magnitude pruning ranked the weights of the
+    compilation; and the mask that round registers reaches the device
+    (the device kept the old mask and copied it over the new one)."""
+    x, y = make_data(4)
+    for net in (mlp, twin):
+        prune.l1_unstructured(net.fc1, "weight", amount=0.3)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for _ in range(2):
+        for _ in range(2):
+            model(x, y)
+            twin_optimizer.zero_grad()
+            twin(x, y)[1].backward()
+            twin_optimizer.step()
+        with torch.no_grad():
+            twin(x, y)
+        for net in (mlp, twin):
+            prune.l1_unstructured(net.fc1, "weight", amount=0.3)
+        assert torch.equal(mlp.fc1.weight_mask, twin.fc1.weight_mask)
+    model(x, y)
+    twin_optimizer.zero_grad()
+    twin(x, y)[1].backward()
+    twin_optimizer.step()
+    assert_same_weights(mlp, twin)
+
+
+def test_a_buffer_registered_after_compilation_needs_a_new_compilation(
+        mlp):
+    """The compiled step cannot read a buffer registered after it was
+    compiled (it was ignored without a word)."""
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    mlp.fc1.register_buffer("scale", torch.ones(1))
+    with pytest.raises(poptorch.Error, match="buffer or sub-module of the "
+                       "wrapped ClassifierMLP was replaced, added or removed"):
+        model(x, y)
+
+
+def test_weight_norm_and_spectral_norm_weights_read_after_training():
+    """weight_norm and spectral_norm keep the weight they compute as an
+    attribute too: read after training, it is the trained one."""
+    torch.manual_seed(0)
+    mlp, twin = ClassifierMLP(), ClassifierMLP()
+    for net in (mlp, twin):
+        torch.nn.utils.weight_norm(net.fc1)
+        torch.nn.utils.spectral_norm(net.fc2)
+    twin.load_state_dict(mlp.state_dict())
+    x, y = make_data(4)
+    model = poptorch.trainingModel(mlp, options(),
+                                   torch.optim.SGD(mlp.parameters(), lr=0.5))
+    model(x, y)
+    _sgd_step(twin, x, y)
+    with torch.no_grad():
+        twin.eval()(x)
+    torch.testing.assert_close(mlp.fc1.weight, twin.fc1.weight)
+    torch.testing.assert_close(mlp.fc2.weight, twin.fc2.weight)
+
+
 class _HalfMask(torch.nn.Module):
     def forward(self, weight):
         return weight * torch.tensor([1.0, 0.0, 1.0, 0.0])

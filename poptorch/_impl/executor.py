@@ -15,7 +15,8 @@ import torch
 from .._version import __version__
 from ..enums import ConnectionType
 from ..errors import Error
-from . import compile_hooks, failed_calls, profiling, weight_sync
+from . import (compile_hooks, derived_weights, failed_calls, profiling,
+               weight_sync)
 from .replication import grouping
 from .compile_session import compile_session
 from .compiled_methods import CompiledExecutionMethods
@@ -221,6 +222,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._training:
             self._link.device_state = compiled.training.optimizer_state
             self._trainable = _trainable(self._module)
+            with weight_sync.host_reads_suspended():
+                self._derived = derived_weights.derived_weights(self._module)
         self._param_dtypes = [param.dtype
                               for param in _host_params(self._module)]
         self._structure = self._sync.structure
@@ -308,7 +311,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                 [name for name, _ in params] !=
                 self._compiled.state.param_names):
             raise Error(
-                "A parameter or sub-module of the wrapped "
+                "A parameter, buffer or sub-module of the wrapped "
                 f"{type(self._module).__name__} was replaced, added or "
                 "removed (torch.nn.utils.prune and parametrizations move "
                 "weights) after this model was compiled, which the compiled "
@@ -372,6 +375,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             outputs = compiled.run(call.tensors(), progress)
         if self._training:
             self._sync.trained_on_device()
+            derived_weights.forget(self._derived)
             self._shared.trained()
             self._loaded_version = self._sync.version
             _mark_optimizer_stepped(self._optimizer)
@@ -389,6 +393,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         with self._profile.top_range("weight download"), \
                 weight_sync.host_reads_suspended():
             compiled.state.store_to_host(self._module)
+            derived_weights.refresh(self._module)
         if self._sync.trainer is self:
             self._sync.device_newer = False
 

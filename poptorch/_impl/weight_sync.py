@@ -13,11 +13,12 @@ classes they hook (``type(layer) == nn.Linear`` holds). Pickling and
 deep-copying the module give a plain instance of the original class.
 
 Writes to the host copy that the module sees make it the newer copy: its
-``load_state_dict``, and assigning a parameter, buffer or sub-module
-attribute, first bring trained weights back (so that what the write leaves
-alone is current and is not overwritten later), then count a new version
-that every model of the module loads before its next call. Assigning a
-parameter or sub-module also changes the module's structure, which a
+``load_state_dict``, assigning a parameter, buffer or sub-module
+attribute, and ``register_buffer`` / ``register_parameter``, first bring
+trained weights back (so that what the write leaves alone is current and is
+not overwritten later), then count a new version that every model of the
+module loads before its next call. Assigning a parameter or sub-module, or
+registering a new name, also changes the module's structure, which a
 compiled model cannot follow (``structure``).
 
 Models of different modules may share sub-modules (a GAN's generator loss
@@ -220,6 +221,11 @@ def _hooked_class(original: type) -> type:
                      for name in _READ_METHODS}
         namespace["load_state_dict"] = _writing(original.load_state_dict)
         namespace.update(
+            register_buffer=_registering(original.register_buffer,
+                                         "_buffers"),
+            register_parameter=_registering(original.register_parameter,
+                                            "_parameters"))
+        namespace.update(
             __getattr__=_getattr, __setattr__=_setattr,
             __reduce_ex__=_reduce_ex,
             __module__=original.__module__, __qualname__=original.__qualname__,
@@ -293,6 +299,24 @@ def _writing(method):
     return hooked
 
 
+def _registering(method, table: str):
+    """``register_buffer`` / ``register_parameter``: a write to the host copy
+    (re-pruning registers a new mask under the old name), and a change of
+    structure when the name is new."""
+    def hooked(self, name, *args, **kwargs):
+        if _suspended[0]:
+            return method(self, name, *args, **kwargs)
+        _before_read(self)
+        new = name not in self.__dict__[table]
+        result = method(self, name, *args, **kwargs)
+        _after_write(self, structural=new)
+        return result
+
+    hooked.__name__ = method.__name__
+    hooked.__doc__ = method.__doc__
+    return hooked
+
+
 def _after_write(module: torch.nn.Module, structural: bool) -> None:
     for sync in module.__dict__.get(_SYNCS_ATTRIBUTE, ()):
         sync.host_written(structural)
@@ -321,7 +345,12 @@ def _holds_weights(module: torch.nn.Module, name: str, value) -> bool:
 
 
 def _getattr(self, name: str):
+    """Read a parameter, buffer or sub-module, or a derived weight that the
+    download sets again (``derived_weights``), after bringing trained
+    weights to the host."""
     _before_read(self)
+    if name in self.__dict__:
+        return self.__dict__[name]
     return type(self)._poptorch_original_class.__getattr__(self, name)
 
 
