@@ -299,6 +299,62 @@ def test_ops_vmap_batches_wrongly_send_replicas_to_sequential():
     assert compiled_model(model).engine.replicas.path == "sequential"
 
 
+class _QueueWriter(torch.nn.Module):
+    """Writes its keys into a queue buffer at a pointer buffer, as MoCo
+    does: ``queue[:, index] = keys.T`` with a per-replica index, which
+    vmap's batching rule writes transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.register_buffer("queue", torch.zeros(3, 8))
+        self.register_buffer("pointer", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        keys = self.fc(x)
+        with torch.no_grad():
+            index = (self.pointer + torch.arange(x.shape[0])) % 8
+            self.queue[:, index] = keys.detach().T
+            self.pointer.copy_((self.pointer + x.shape[0]) % 8)
+        return keys @ self.queue, torch.nn.functional.mse_loss(
+            keys, torch.zeros_like(keys))
+
+
+def _queue_reference(net, batches):
+    """Each replica's outputs and queue, run as the module alone on its
+    micro-batches in order."""
+    replica = copy.deepcopy(net)
+    with torch.no_grad():
+        outputs = [replica(batch)[0] for batch in batches]
+    return torch.cat(outputs), replica.queue
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_writes_at_a_per_replica_index_run_as_each_replica_alone(training):
+    torch.manual_seed(0)
+    net = _QueueWriter()
+    x = torch.randn(2 * 2 * 3, 4)
+    opts = options(device_iterations=2, replicas=2,
+                   outputMode=poptorch.OutputMode.All)
+    opts.broadcastBuffers(False)
+    twin = copy.deepcopy(net)
+    if training:
+        model = poptorch.trainingModel(
+            net, opts, torch.optim.SGD(net.parameters(), lr=0.0))
+    else:
+        model = poptorch.inferenceModel(net, opts)
+    outputs = model(x)[0].reshape(2, 2, 3, 8)
+    model.copyWeightsToHost()
+    batches = x.reshape(2, 2, 3, 4)
+    for replica in range(2):
+        expected, queue = _queue_reference(twin, batches[:, replica])
+        torch.testing.assert_close(outputs[:, replica].reshape(6, 8),
+                                   expected)
+        if replica == 0:
+            torch.testing.assert_close(net.queue, queue)
+    assert compiled_model(model).engine.replicas.path == "sequential"
+
+
 class _CountingModel(torch.nn.Module):
     """Inference writes a buffer shared by all replicas."""
 

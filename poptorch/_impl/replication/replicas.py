@@ -34,7 +34,7 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   vmap cannot trace the model (for example an ``autograd.Function`` without
   a vmap rule, ``torch.utils.checkpoint``, which recomputes part of the
   forward pass in the backward pass, outside vmap, gradient hooks on
-  activations, ``autograd_queries.py``, or an operation whose gradient
+  activations, ``autograd_queries.py``, or an operation whose values or gradient
   vmap computes wrongly, ``misbatched_ops.py``): the first step is
   traced vectorised and, if that fails, traced again on the sequential
   path; the reason is logged at DEBUG.
@@ -243,7 +243,7 @@ class ReplicaExecution:
                 params, inputs, reduction)
             dims = (param_dims, self._written_dims(len(buffers)), input_dims)
             with per_replica_statistics(), batched_attention(), \
-                    answered_per_replica(), refused_in_vmap():
+                    answered_per_replica(), refused_in_vmap(training=True):
                 return torch.func.vmap(micro, in_dims=dims,
                                        randomness="different")(
                                            params, buffers, inputs)
@@ -339,7 +339,7 @@ class ReplicaExecution:
             params, inputs, param_dims, input_dims = self._per_replica(
                 params, inputs, None)
             dims = (param_dims, self._written_dims(num_buffers), input_dims)
-            with batched_attention():
+            with batched_attention(), refused_in_vmap(training=False):
                 new_buffers, outputs = torch.func.vmap(
                     micro, in_dims=dims, randomness="different")(
                         params, buffers, inputs)
