@@ -436,6 +436,54 @@ def test_activations_that_need_no_gradient_pass_between_stages(
     train_crossing(Crossing(mask=True), make_strategy)
 
 
+class NoGradBlocks(torch.nn.Module):
+    """Three blocks: "a" runs a teacher under ``torch.no_grad()`` (its
+    weights must not train); "c" updates an EMA buffer of the loss under
+    ``torch.no_grad()``; with ``shared_norm``, one BatchNorm layer runs in
+    blocks "a" and "b", its running statistics passing between them."""
+
+    def __init__(self, shared_norm=False):
+        super().__init__()
+        self.shared_norm = shared_norm
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.teacher = torch.nn.Linear(4, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.fc2 = torch.nn.Linear(8, 8)
+        self.fc3 = torch.nn.Linear(8, 3)
+        self.register_buffer("ema", torch.ones(()))
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            with torch.no_grad():
+                target = self.teacher(x)
+            h = torch.tanh(self.fc1(x))
+            if self.shared_norm:
+                h = self.bn(h)
+        with poptorch.Block("b", ipu_id=1):
+            h = self.bn(torch.tanh(self.fc2(h)))
+        with poptorch.Block("c", ipu_id=2):
+            out = self.fc3(h)
+            loss = (torch.nn.functional.cross_entropy(out, y) +
+                    torch.nn.functional.mse_loss(h, target) * self.ema.clone())
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * loss)
+        return out, loss
+
+
+@pytest.mark.parametrize("shared_norm", [False, True])
+@parametrize_strategies(ANY_BLOCKS)
+def test_no_grad_code_in_forward_is_not_differentiated(make_strategy,
+                                                       shared_norm):
+    """Operations under torch.no_grad() stay out of the backward pass (the
+    teacher trained; the EMA update failed), and a BatchNorm layer runs in
+    two stages (its running statistics could not be differentiated)."""
+    torch.manual_seed(0)
+    net = NoGradBlocks(shared_norm)
+    teacher = copy.deepcopy(net.teacher)
+    train_crossing(net, make_strategy)
+    assert_same_weights(net.teacher, teacher)
+
+
 @parametrize_strategies(ANY_BLOCKS)
 def test_integer_activations_pass_between_stages(make_strategy):
     """Indices made by one stage and used by the next (the pipeline's shape

@@ -20,6 +20,7 @@ only the segments' inputs (the stage's inputs and the checkpointed tensors)
 are kept for the backward pass, and the rest of the stage's activations are
 recomputed, a segment at a time, when the backward pass reaches them.
 """
+import contextlib
 import dataclasses
 import functools
 from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
@@ -30,7 +31,7 @@ import torch.utils.checkpoint
 
 from ...enums import ReductionType
 from .. import blocks, losses
-from . import partition
+from . import no_grad_regions, partition
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                        split_flat, tensor_outputs, trace_user_code)
 from ..graph_writes import written_placeholders
@@ -80,7 +81,8 @@ def trace_forward(call: ModelCall, analysis: ModelAnalysis,
     def forward(*flat):
         p, b, x = split_flat(flat, [len(params), len(buffers)])
         b = clone_written(b, analysis.written_buffers)
-        with losses.LossRecorder() as recorder:
+        with losses.LossRecorder() as recorder, \
+                _no_grad_marked(training):
             output = call(p, b, x)
         returned = tensor_outputs(output)
         loss = ([analysis.backward_start(recorder.losses, returned)]
@@ -89,8 +91,18 @@ def trace_forward(call: ModelCall, analysis: ModelAnalysis,
 
     with capture_scope(call.module, training_flags), \
             losses.recording_mode(training):
-        return trace_user_code(forward, list(params) + list(buffers) +
-                               list(inputs), keep_detaches=True)
+        graph = trace_user_code(forward, list(params) + list(buffers) +
+                                list(inputs), keep_detaches=True)
+    if training:
+        no_grad_regions.detach_inputs(graph.graph)
+        graph.recompile()
+    return graph
+
+
+def _no_grad_marked(training: bool):
+    """In training, the operations ``forward`` runs under
+    ``torch.no_grad()`` are marked for ``no_grad_regions.detach_inputs``."""
+    return no_grad_regions.marked() if training else contextlib.nullcontext()
 
 
 def cut_into_stages(graph: fx.GraphModule,
@@ -295,6 +307,10 @@ class StageModule(torch.nn.Module):
     tensor, so writing them directly would invalidate tensors that earlier
     micro-batches saved for their backward pass.
 
+    Running statistics of a batch normalisation that a stage before
+    updated arrive as activations, and are passed to the stage's graph
+    detached (``no_grad_regions.statistics_inputs``).
+
     ``skip_effects_once`` makes the first call a dry run (no buffer written,
     no output recorded, in-place writes to inputs made on copies), for the
     pipeline schedule's shape inference."""
@@ -317,6 +333,8 @@ class StageModule(torch.nn.Module):
         first_input = staged.num_params + staged.num_buffers
         self._written_inputs = [input_name(i) for i in staged.written_inputs
                                 if first_input + i in self.part.sources]
+        self._carried_statistics = no_grad_regions.statistics_inputs(
+            self.part.module.graph)
         for i in self.part.sources:
             if i < staged.num_params and \
                     isinstance(state.params[i], torch.nn.Parameter):
@@ -347,8 +365,10 @@ class StageModule(torch.nn.Module):
         written = {name: inputs[name] for name in self._written_inputs}
         inputs.update({name: t.clone() for name, t in written.items()})
         buffers = self.state.buffers(inputs)
-        stage_inputs = list(carried) + [self._source(i, buffers, inputs)
-                                        for i in self.part.sources]
+        stage_inputs = [t.detach() if position in self._carried_statistics
+                        else t for position, t in enumerate(carried)]
+        stage_inputs += [self._source(i, buffers, inputs)
+                         for i in self.part.sources]
         if self.segments:
             result = self._run_segments(stage_inputs)
         else:
