@@ -429,6 +429,51 @@ def test_resuming_from_state_dicts_is_bit_identical(case, compile_first):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("case", RESUMABLE)
+def test_set_optimizer_with_a_loaded_new_optimizer_rolls_back(case):
+    """Rolling back to a checkpoint with a new optimizer loading its state
+    dict, given to the compiled model by setOptimizer: the next call goes on
+    from the checkpoint's state (the device kept its own before)."""
+    make = RESUMABLE[case]
+    opts = options(2, 2)
+    uninterrupted = fresh_mlp()
+    model = poptorch.trainingModel(uninterrupted, opts,
+                                   make(uninterrupted.parameters()))
+    run_calls(model, 0, 3)
+
+    rolled_back = fresh_mlp()
+    optimizer = make(rolled_back.parameters())
+    model = poptorch.trainingModel(rolled_back, opts, optimizer)
+    run_calls(model, 0, 2)
+    weights = checkpoint(model.state_dict())
+    optimizer_state = checkpoint(optimizer.state_dict())
+    run_calls(model, 5, 2)
+    new_optimizer = make(rolled_back.parameters())
+    new_optimizer.load_state_dict(optimizer_state)
+    model.load_state_dict(weights)
+    model.setOptimizer(new_optimizer)
+    run_calls(model, 2, 1)
+    for a, b in zip(uninterrupted.parameters(), rolled_back.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_set_optimizer_with_a_fresh_optimizer_keeps_the_device_state():
+    """A new optimizer without a state of its own changes the
+    hyper-parameters only (as in PopTorch): the momentum carries on."""
+    uninterrupted = fresh_mlp()
+    model = poptorch.trainingModel(uninterrupted, options(2), P.SGD(
+        uninterrupted.parameters(), lr=0.05, momentum=0.9))
+    run_calls(model, 0, 3, rows=4)
+    swapped = fresh_mlp()
+    model = poptorch.trainingModel(swapped, options(2), P.SGD(
+        swapped.parameters(), lr=0.05, momentum=0.9))
+    run_calls(model, 0, 2, rows=4)
+    model.setOptimizer(P.SGD(swapped.parameters(), lr=0.05, momentum=0.9))
+    run_calls(model, 2, 1, rows=4)
+    for a, b in zip(uninterrupted.parameters(), swapped.parameters()):
+        assert torch.equal(a, b)
+
+
 def assert_same_torch_state(ours, theirs):
     """Two state dicts' ``"state"`` entries hold the same parameters, keys
     and values (atol ``ATOL``)."""

@@ -189,6 +189,31 @@ def test_resuming_a_float16_model_is_bit_identical(case, compile_first):
         assert torch.equal(a, b)
 
 
+def test_a_torch_optimizer_loaded_before_wrapping_warns_of_its_cast(
+        poptorch_log):
+    """torch's load_state_dict casts a float32 state to the float16
+    parameters' dtype before any training model can undo it: the
+    compilation says so (the resumed model trained from the narrowed state
+    without a word). Loaded after wrapping, the cast is undone silently."""
+    x, y = alternating_batches(4)
+    module = float16_model()
+    optimizer = T.Adam(module.parameters(), lr=1e-3)
+    training_model(module, optimizer, 2)(x, y)
+    optimizer_state = checkpoint(optimizer.state_dict())
+    for load_first in (False, True):
+        resumed_module = float16_model()
+        resumed_optimizer = T.Adam(resumed_module.parameters(), lr=1e-3)
+        if load_first:
+            resumed_optimizer.load_state_dict(optimizer_state)
+        resumed = training_model(resumed_module, resumed_optimizer, 2)
+        if not load_first:
+            resumed_optimizer.load_state_dict(optimizer_state)
+        resumed(x, y)
+        warned = ("state for torch.float16 parameters is torch.float16"
+                  in poptorch_log.text)
+        assert warned == load_first
+
+
 def host_adam_steps(optimizer, params, grads):
     for grad in grads:
         for param, value in zip(params, grad):

@@ -473,17 +473,26 @@ class PoplarExecutor(CompiledExecutionMethods):
         compiled graph raises ``poptorch.Error`` naming the attribute.
         Param-group attributes the optimizer does not use are warned about
         once (logged at DEBUG with ``relaxOptimizerAttributesChecks()``).
-        The device's optimizer state carries on; ``optimizer`` becomes the
-        one whose ``state_dict()`` reads it.
+        The device's optimizer state carries on, unless ``optimizer``
+        brings a state of its own, which replaces it: a state dict loaded
+        into it (rolling back to a checkpoint with a new optimizer), or the
+        state of a torch.optim optimizer not used by poptorch before.
+        ``optimizer`` becomes the one whose ``state_dict()`` reads it.
         """
         if not self._training:
             raise Error("setOptimizer can only be called on a training model")
         report_unexpected_attributes(
             optimizer, self._options.relax_optimizer_attributes_checks)
         plan = plan_optimizer(optimizer, _host_params(self._module))
+        brought = None
         if self._compiled is not None:
             check_same_structure(self._plan, plan)
+            device = self._compiled.training.optimizer_state
+            if optimizer is not self._optimizer:
+                brought = device.brought_by(optimizer, plan)
             self._compiled.use_optimizer(self._plan, plan)
+            if brought is not None:
+                device.take(optimizer, brought)
         optimizer_state.unlink(self._optimizer, self._link)
         optimizer_state.link(optimizer, self._link)
         self._optimizer = optimizer

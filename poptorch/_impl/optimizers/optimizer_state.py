@@ -39,7 +39,9 @@ parameters). torch's ``load_state_dict()`` casts each loaded state tensor to
 its parameter's dtype; for optimizers of training models (and all
 poptorch.optim optimizers) that cast is undone, so that a float16 model's
 checkpoint resumes exactly. (torch's own host ``step()`` may refuse float32
-state for a float16 parameter: torch.optim.Adam's does.)
+state for a float16 parameter: torch.optim.Adam's does.) A torch.optim
+optimizer loaded before it is given to a training model keeps torch's cast;
+the compilation warns when it finds such a narrowed state.
 """
 import dataclasses
 import math
@@ -50,6 +52,7 @@ import torch
 from torch import Tensor
 
 from ...errors import Error
+from ..logger import warn_once
 from .global_attributes import GlobalAttributes
 
 STATE_DICT_KEY = "poptorch"
@@ -59,6 +62,9 @@ _MODEL = "_poptorch_training_model"
 _SAVED = "_poptorch_saved_state"
 _HOOKED = "_poptorch_state_hooks"
 _LOADING = "_poptorch_loading_state"
+# Set on a torch.optim optimizer whose state dict was loaded while no
+# compiled model used it (``_brings_state``).
+_GIVEN = "_poptorch_given_state"
 
 ParamState = Dict[str, Tensor]
 
@@ -104,16 +110,40 @@ class OptimizerDeviceState:
     def initial(self, optimizer: torch.optim.Optimizer, plan) -> List[Tensor]:
         """The state at compilation: a state dictionary loaded before (or
         kept by ``destroy``), else the optimizer's own ``state``."""
+        flat = self._from_optimizer(optimizer, plan)
+        _forget_given_state(optimizer)
+        self._publish(flat)
+        return flat
+
+    def brought_by(self, optimizer: torch.optim.Optimizer, plan
+                   ) -> Optional[List[Tensor]]:
+        """The state that ``optimizer``, given to ``setOptimizer`` of the
+        compiled model, brings (``take`` it after the other checks): a
+        state dictionary loaded into it (or kept by ``destroy``), or the
+        state of a torch.optim optimizer new to poptorch that has one (its
+        own host steps, a state dictionary loaded into it). None when it
+        brings none: the device's state carries on."""
+        if not _brings_state(optimizer):
+            return None
+        return self._from_optimizer(optimizer, plan)
+
+    def take(self, optimizer: torch.optim.Optimizer,
+             flat: List[Tensor]) -> None:
+        """Use the state ``brought_by(optimizer)`` from the next call."""
+        _forget_given_state(optimizer)
+        self.replace(flat)
+
+    def _from_optimizer(self, optimizer: torch.optim.Optimizer, plan
+                        ) -> List[Tensor]:
         saved = _saved_state(optimizer)
         positions = _position_indices(optimizer, self.host_params)
         torch_states = [optimizer.state.get(p, {}) for p in self.host_params]
-        flat = self.build(torch_states, _by_position(saved, positions),
+        if _is_torch_optimizer(optimizer):
+            _report_narrowed_state(torch_states, self.host_params)
+        return self.build(torch_states, _by_position(saved, positions),
                           self.attributes.initial_state(plan, self._device,
                                                         saved),
                           broadcast=True)
-        optimizer.__dict__.pop(_SAVED, None)
-        self._publish(flat)
-        return flat
 
     def build(self, torch_states: List[Mapping], saved: List[Optional[Mapping]],
               scale_state: List[Tensor], broadcast: bool = False
@@ -354,6 +384,49 @@ def _saved_state(optimizer: torch.optim.Optimizer) -> Optional[Dict]:
     return optimizer.__dict__.get(_SAVED)
 
 
+def _is_torch_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """A torch.optim optimizer (poptorch.optim ones have their own state
+    dictionaries)."""
+    return type(optimizer).state_dict is torch.optim.Optimizer.state_dict
+
+
+def _report_narrowed_state(torch_states: List[Mapping],
+                           params: List[Tensor]) -> None:
+    """Warn once when a torch.optim optimizer's state for float16 or
+    bfloat16 parameters has their dtype: torch's ``load_state_dict`` casts
+    a loaded state so, which loses the float32 values a poptorch
+    checkpoint kept (before the optimizer is linked to a training model,
+    nothing undoes the cast)."""
+    narrowed = [param.dtype for state, param in zip(torch_states, params)
+                if param.dtype in (torch.float16, torch.bfloat16)
+                for name, value in state.items()
+                if name != "step" and isinstance(value, Tensor)
+                and value.dtype == param.dtype]
+    if narrowed:
+        warn_once(
+            f"The torch.optim optimizer's state for {narrowed[0]} "
+            f"parameters is {narrowed[0]}, which the training model keeps "
+            "in float32 from now on. torch's load_state_dict() casts a "
+            "loaded state to its parameter's dtype, losing the float32 "
+            "values of a poptorch checkpoint: to resume exactly, load the "
+            "optimizer's state dict after wrapping the model.")
+
+
+def _brings_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds a state no training model has taken: a
+    state dictionary loaded while no compiled model used it (or one that
+    ``destroy`` kept), or, never linked to a model before, a state of its
+    own."""
+    held = optimizer.__dict__
+    return (_SAVED in held or held.get(_GIVEN, False) or
+            (not held.get(_HOOKED) and any(optimizer.state.values())))
+
+
+def _forget_given_state(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.__dict__.pop(_SAVED, None)
+    optimizer.__dict__.pop(_GIVEN, None)
+
+
 # --- the link between an optimizer and its training model ---------------------
 
 class ModelLink:
@@ -381,8 +454,8 @@ def link(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
             previous.device_state is not None:
         previous.device_state.keep_on_optimizer(optimizer)
     optimizer.__dict__[_MODEL] = weakref.ref(model_link)
-    if (type(optimizer).state_dict is torch.optim.Optimizer.state_dict
-            and not optimizer.__dict__.get(_HOOKED)):
+    if _is_torch_optimizer(optimizer) and \
+            not optimizer.__dict__.get(_HOOKED):
         optimizer.register_state_dict_pre_hook(_device_state_to_host)
         optimizer.register_load_state_dict_pre_hook(_remember_loaded_state)
         optimizer.register_load_state_dict_post_hook(_host_state_to_device)
@@ -411,10 +484,12 @@ def _host_state_to_device(optimizer: torch.optim.Optimizer) -> None:
     it compiles)."""
     _keep_loaded_dtypes(optimizer, optimizer.__dict__.pop(_LOADING))
     device = _compiled_state(optimizer)
-    if device is not None:
-        states = [optimizer.state.get(p, {}) for p in device.host_params]
-        device.replace(device.build(states, [None] * len(states),
-                                    device.loaded_scale_state({})))
+    if device is None:
+        optimizer.__dict__[_GIVEN] = True
+        return
+    states = [optimizer.state.get(p, {}) for p in device.host_params]
+    device.replace(device.build(states, [None] * len(states),
+                                device.loaded_scale_state({})))
 
 
 def unlink(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
