@@ -79,3 +79,25 @@ def test_wrapper_eval_sets_the_modes_and_returns_the_wrapper(poptorch_log):
     torch.testing.assert_close(model(x), net.fc(x))
     assert not net.drop.training and net.training
     assert "changed after" not in poptorch_log.text
+
+
+def test_a_partial_mode_change_after_compilation_is_reported(poptorch_log):
+    """bn.eval() after the first call does not reach the compiled model
+    (as in PopTorch, which compiled it in training mode): logged once; the
+    whole module put in evaluation mode for validation between training
+    calls is not."""
+    net = BatchNormNet()
+    model = poptorch.trainingModel(net, options(), torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    x, y = make_images(4)
+    model(x, y)
+    net.eval()
+    poptorch.inferenceModel(net)(x, y)
+    net.train()
+    model(x, y)
+    assert "train/eval mode" not in poptorch_log.text
+    net.bn.eval()
+    model(x, y)
+    assert ("train/eval mode of 'bn' in the wrapped module changed after "
+            "the model was compiled (training when compiled, now "
+            "evaluation)") in poptorch_log.text

@@ -3,10 +3,14 @@ PopTorch freezes them: tensors that are not parameters, buffers or
 arguments (plain tensor attributes, closure tensors;
 ``tracing_context.GraphConstants``), and the plain Python attributes of the
 module and its sub-modules (a temperature, a curriculum's length,
-``dropout.p``). A program that changes one on the host between calls (a
-per-epoch class weighting, an annealed temperature) would otherwise see no
-effect without a word: the first change is reported once, naming the
-attribute and what to do instead."""
+``dropout.p``), and the train/eval modes of the sub-modules. A program that
+changes one on the host between calls (a per-epoch class weighting, an
+annealed temperature, ``bn.eval()`` on a frozen backbone's BatchNorm
+layers) would otherwise see no effect without a word: the first change is
+reported once, naming the attribute and what to do instead. Modes changed
+for the whole module at once (``module.eval()`` before running an
+inference model of it) are the usual way of alternating training and
+validation, and are not reported."""
 from typing import Dict, List, Tuple
 
 import torch
@@ -37,7 +41,7 @@ class FrozenConstants:
             return
         self._tensors = [(tensor, tensor._version)
                          for tensor in self._constants]
-        self._attributes = _plain_attributes(self._module)
+        self._attributes, self._modes = _watched(self._module)
 
     def report_changes(self) -> None:
         """Warn once when a constant has changed since the last call."""
@@ -52,7 +56,7 @@ class FrozenConstants:
                        "and call copyWeightsToDevice(), or pass it as an "
                        "argument")
             return
-        attributes = _plain_attributes(self._module)
+        attributes, modes = _watched(self._module)
         if attributes != self._attributes:
             name = next(name for name in sorted(attributes.keys() |
                                                 self._attributes.keys())
@@ -63,6 +67,22 @@ class FrozenConstants:
                        "keep the value in a buffer (module.register_buffer) "
                        "and call copyWeightsToDevice(), or pass it as an "
                        "argument")
+        elif modes != self._modes and len(set(modes.values())) > 1:
+            self._warn_mode_change(modes)
+
+    def _warn_mode_change(self, modes: Dict[str, bool]) -> None:
+        name = next(name for name in sorted(modes)
+                    if modes[name] != self._modes.get(name, modes[name]))
+        self._reported = True
+        warn_once(
+            f"The train/eval mode of "
+            f"'{name or type(self._module).__name__}' in the wrapped module "
+            "changed "
+            f"after the model was compiled ({_mode(self._modes[name])} when "
+            f"compiled, now {_mode(modes[name])}). The compiled model keeps "
+            "the modes it was compiled with, as PopTorch does: set them "
+            "before the first call, or call destroy() to compile the model "
+            "again in the new modes.")
 
     def _warn(self, what: str, remedy: str) -> None:
         self._reported = True
@@ -82,12 +102,22 @@ class FrozenConstants:
                       "(a closure or global)") for tensor in tensors)
 
 
-def _plain_attributes(module: torch.nn.Module) -> Dict[str, object]:
+def _watched(module: torch.nn.Module
+             ) -> Tuple[Dict[str, object], Dict[str, bool]]:
     """The public attributes of plain Python types of the module and its
-    sub-modules (their ``training`` flags aside), by dotted name."""
-    return {dotted: value for dotted, name, value in _attributes(module)
-            if type(value) in _PLAIN_TYPES and name != "training"
-            and not name.startswith("_")}
+    sub-modules (their ``training`` flags aside), by dotted name, and the
+    sub-modules' ``training`` flags, by path."""
+    attributes, modes = {}, {}
+    for dotted, name, value in _attributes(module):
+        if name == "training":
+            modes[dotted[:-len(name)].rstrip(".")] = value
+        elif type(value) in _PLAIN_TYPES and not name.startswith("_"):
+            attributes[dotted] = value
+    return attributes, modes
+
+
+def _mode(training: bool) -> str:
+    return "training" if training else "evaluation"
 
 
 def _attributes(module: torch.nn.Module) -> List[Tuple[str, str, object]]:
