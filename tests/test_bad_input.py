@@ -51,7 +51,7 @@ def test_inference_batch_error_leaves_out_gradient_accumulation(mlp):
 
 @pytest.mark.parametrize("bad_call,match", [
     (lambda x, y: (x[:2], y[:2]), r"Argument 'x' changed .*shape \(4, 4\)"),
-    (lambda x, y: (x.double(), y), "dtype torch.float64"),
+    (lambda x, y: (x.half(), y), "dtype torch.float16"),
     (lambda x, y: (x,), "Argument 'y' changed.*got the value None"),
     (lambda x, y: ((x,), y), "structure of the model's arguments changed"),
     (lambda x, y: (x, y, 3), "cannot take these arguments"),

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import Error
 from .custom_args import CustomArgument, has_parser
+from .precision import double_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,12 @@ class CallArguments:
         self.leaves, self.spec = pytree.tree_flatten((self.args, self.kwargs))
         self._signature = signature
         self._paths: Optional[List[str]] = None
+        converted = double_inputs.as_float32(self.leaves,
+                                             lambda: self.paths, forward)
+        if converted is not self.leaves:
+            self.leaves = converted
+            self.args, self.kwargs = flattenable(
+                pytree.tree_unflatten(converted, self.spec))
         for position, leaf in enumerate(self.leaves):
             if _is_array(leaf):
                 raise Error(
