@@ -120,6 +120,35 @@ def test_a_failed_call_changes_no_buffer():
     assert_state_unchanged(model, optimizer, before)
 
 
+class _TeacherStudent(ClassifierMLP):
+    """A frozen teacher layer updated in forward as an EMA of ``fc1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher = copy.deepcopy(self.fc1).requires_grad_(False)
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            self.teacher.weight.lerp_(self.fc1.weight, 0.5)
+        out, loss = super().forward(x, y)
+        return out, loss + self.teacher(x).pow(2).mean()
+
+
+def test_a_failed_call_leaves_parameters_forward_writes_as_before():
+    """The teacher's EMA steps before the failure are undone too."""
+    torch.manual_seed(0)
+    net = _TeacherStudent()
+    optimizer = sgd(net)
+    model = poptorch.trainingModel(net, options(3), optimizer)
+    model(*make_data(12))
+    before = device_state(model, optimizer)
+    x, y = make_data(12, seed=1)
+    y[9] = 4
+    with pytest.raises(IndexError):
+        model(x, y)
+    assert_state_unchanged(model, optimizer, before)
+
+
 # --- floating-point exceptions -----------------------------------------------
 
 def nan_in_iteration(rows, iteration, iterations=3):

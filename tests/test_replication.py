@@ -355,6 +355,67 @@ def test_writes_at_a_per_replica_index_run_as_each_replica_alone(training):
     assert compiled_model(model).engine.replicas.path == "sequential"
 
 
+class _MeanTeacher(torch.nn.Module):
+    """A teacher updated in forward as an EMA of the student, its momentum
+    read from a step counter buffer (which vmap cannot write into the
+    shared teacher: the replicas run in turn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(3, 2)
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.step += 1
+        with torch.no_grad():
+            momentum = 0.5 + 0.1 / self.step.float()
+            for student, teacher in zip(self.student.parameters(),
+                                        self.teacher.parameters()):
+                teacher.lerp_(student, 1 - momentum)
+        return torch.nn.functional.mse_loss(self.student(x),
+                                            self.teacher(x))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_teacher_written_in_forward_is_updated_once_per_micro_batch(
+        accumulation):
+    """Each replica updates its own copy of the teacher in PopTorch; the
+    replicas running in turn each wrote on top of the one before (R
+    updates per step)."""
+    torch.manual_seed(0)
+    net = _MeanTeacher()
+    with torch.no_grad():
+        net.teacher.weight.fill_(1.0)
+    twin = copy.deepcopy(net)
+    opts = options(accumulation=accumulation, replicas=2)
+    opts.broadcastBuffers(False)
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(
+        net.student.parameters(), lr=0.1))
+    twin_optimizer = torch.optim.SGD(twin.student.parameters(), lr=0.1)
+    x = torch.randn(2, accumulation, 2, 4, 3)
+    for call in range(2):
+        model(x[call].reshape(-1, 3))
+        twin_optimizer.zero_grad()
+        for step in range(accumulation):
+            replicas = [copy.deepcopy(twin) for _ in range(2)]
+            losses = [replica(x[call, step, r])
+                      for r, replica in enumerate(replicas)]
+            for replica, loss in zip(replicas, losses):
+                loss.backward()
+            for name, param in twin.student.named_parameters():
+                grads = [dict(r.student.named_parameters())[name].grad
+                         for r in replicas]
+                extra = sum(grads) / (2 * accumulation)
+                param.grad = extra if param.grad is None else \
+                    param.grad + extra
+            twin.teacher.load_state_dict(replicas[0].teacher.state_dict())
+            twin.step.copy_(replicas[0].step)
+        twin_optimizer.step()
+    assert compiled_model(model).engine.replicas.path == "sequential"
+    assert_same_weights(net, twin)
+
+
 class _CountingModel(torch.nn.Module):
     """Inference writes a buffer shared by all replicas."""
 

@@ -284,6 +284,8 @@ class ModelAnalysis:
     #: The returned tensor the backward pass starts from, when it is one
     #: computed from the final loss(es) (``backward_start.py``).
     loss_output: Optional[int] = None
+    #: The parameters ``forward`` writes in place (a teacher's EMA update).
+    written_params: List[int] = dataclasses.field(default_factory=list)
 
     def backward_start(self, recorded_losses: List[torch.Tensor],
                        output_tensors: List[torch.Tensor]) -> torch.Tensor:
@@ -364,6 +366,7 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         written_buffers=[i - len(params) for i in written
                          if len(params) <= i < num_state],
         written_inputs=[i - num_state for i in written if i >= num_state],
+        written_params=[i for i in written if i < len(params)],
         final_loss=None, params_reaching_loss=[],
         blocks=blocks.with_layers_before(block_records, graph.nodes),
         stored_outputs=flow.stored_outputs(outputs[:split_at]))

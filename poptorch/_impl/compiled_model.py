@@ -279,12 +279,14 @@ class CompiledModel:
 
     def _snapshot(self) -> failed_calls.CallSnapshot:
         """What a failed call restores: the parameters and optimizer state
-        the update steps overwrite in place are copied, the rest kept."""
+        the update steps overwrite in place are copied, and so are the
+        parameters ``forward`` writes in place; the rest is kept."""
         overwrites = (self.training is not None and
                       self.engine.overwrites_training_state)
         return failed_calls.CallSnapshot(
             self.state, self.rng,
-            self.training.layout.trainable if overwrites else [],
+            (self.training.layout.trainable if overwrites else []) +
+            self.analysis.written_params,
             overwrites)
 
     def _step_flags(self) -> Optional[StepFlags]:

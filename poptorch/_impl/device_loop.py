@@ -34,6 +34,7 @@ UPDATE_STEP = "step + optimizer update"
 class InferenceSteps:
     step: CompiledStep
     written_buffers: List[int]
+    written_params: List[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -45,6 +46,41 @@ class TrainingSteps:
                                         # the steps keep one
     finite_checks: bool = False         # steps return floating-point flags
                                         # before the model's outputs
+    #: The frozen parameters (positions among them) ``forward`` writes in
+    #: place, a teacher's EMA update (``ReplicaWrites``).
+    written_frozen: List[int] = dataclasses.field(default_factory=list)
+
+
+class ReplicaWrites:
+    """Parameters that ``forward`` writes in place (a teacher updated as an
+    EMA of the student) are one tensor for all the replicas that run in
+    turn (the sequential replica path), where each replica would write on
+    top of the one before, R updates per step. As each replica writes its
+    own copy in PopTorch and the host sees the first replica's, every
+    replica of a step starts from the values the step started from, and
+    the first replica's result is kept."""
+
+    def __init__(self, tensors: List[torch.Tensor], replicas: int) -> None:
+        self._tensors = tensors if replicas > 1 else []
+        self._last = replicas - 1
+        self._start: List[torch.Tensor] = []
+        self._first: List[torch.Tensor] = []
+
+    def before(self, replica: int) -> None:
+        if not self._tensors:
+            return
+        if replica == 0:
+            self._start = [t.clone() for t in self._tensors]
+        else:
+            torch._foreach_copy_(self._tensors, self._start)
+
+    def after(self, replica: int) -> None:
+        if not self._tensors:
+            return
+        if replica == 0:
+            self._first = [t.clone() for t in self._tensors]
+        elif replica == self._last:
+            torch._foreach_copy_(self._tensors, self._first)
 
 
 def _store_buffers(buffers: List[torch.Tensor], written: List[int],
@@ -59,6 +95,8 @@ def run_inference(steps: InferenceSteps, params: List[torch.Tensor],
                   collector: OutputCollector, progress: CallProgress,
                   flags: Optional[StepFlags] = None) -> None:
     written = len(steps.written_buffers)
+    writes = ReplicaWrites([params[i] for i in steps.written_params],
+                           layout.replicas)
     for iteration in range(layout.device_iterations):
         with profile_range(ITERATION):
             for replica in range(layout.replicas):
@@ -66,8 +104,10 @@ def run_inference(steps: InferenceSteps, params: List[torch.Tensor],
                 buffers = buffer_sets[replica % len(buffer_sets)]
                 micro = micro_batch(inputs, iteration, 0,
                                     layout.data_index(replica))
+                writes.before(replica)
                 with profile_range(STEP):
                     result = steps.step(*params, *buffers, *micro)
+                writes.after(replica)
                 _store_buffers(buffers, steps.written_buffers,
                                result[:written])
                 if flags is not None:
@@ -109,9 +149,12 @@ def _training_iteration(steps: TrainingSteps, state: TrainingState,
     running = steps.running
     if steps.accumulate is not None and running:
         torch._foreach_zero_(running)
+    writes = ReplicaWrites([state.frozen[i] for i in steps.written_frozen],
+                           replicas)
     for step in range(accumulation):
         for replica in range(replicas):
             progress.step(iteration, step, replica)
+            writes.before(replica)
             buffers = state.buffer_sets[replica % len(state.buffer_sets)]
             micro = micro_batch(inputs, iteration, step,
                                 layout.data_index(replica))
@@ -134,6 +177,7 @@ def _training_iteration(steps: TrainingSteps, state: TrainingState,
                                result[trained:trained + written])
                 end = trained + written + len(state.optimizer)
                 state.optimizer = list(result[trained + written:end])
+            writes.after(replica)
             if flagged:
                 flags.add(progress.position, result[end])
             collector.add(iteration * accumulation + step, replica,

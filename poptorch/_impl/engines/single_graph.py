@@ -60,7 +60,8 @@ class SingleGraphEngine(Engine):
                               mark_parameters(graph, state.param_names))
         self._steps = device_loop.InferenceSteps(
             session.compile("inference", graph),
-            inputs.analysis.written_buffers)
+            inputs.analysis.written_buffers,
+            written_params=inputs.analysis.written_params)
 
     def compile_training(self, inputs: CompileInputs,
                          setup: TrainingSetup) -> None:
@@ -92,7 +93,10 @@ class SingleGraphEngine(Engine):
         self._steps = device_loop.TrainingSteps(
             update=compiled["update"], accumulate=compiled.get("accumulate"),
             written_buffers=inputs.analysis.written_buffers, running=zeros,
-            finite_checks=settings.finite_checks)
+            finite_checks=settings.finite_checks,
+            written_frozen=[setup.layout.frozen.index(i)
+                            for i in inputs.analysis.written_params
+                            if i in setup.layout.frozen])
 
     def _trace(self, inputs: CompileInputs, setup: TrainingSetup,
                settings: StepSettings, update: bool) -> torch.fx.GraphModule:
