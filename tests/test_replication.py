@@ -299,6 +299,71 @@ def test_ops_vmap_batches_wrongly_send_replicas_to_sequential():
     assert compiled_model(model).engine.replicas.path == "sequential"
 
 
+class _SeparatedIndices(torch.nn.Module):
+    """``h[:, heads, :, positions] = token``: index tensors separated by a
+    slice, on a per-replica tensor (vmap writes the wrong places)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 24)
+        self.token = torch.nn.Parameter(torch.randn(2, 1, 3))
+        self.head = torch.nn.Linear(24, 3)
+
+    def forward(self, x, y):
+        h = self.fc(x).view(x.shape[0], 2, 3, 4).clone()
+        h[:, torch.tensor([0, 1]), :, torch.tensor([3, 1])] = self.token
+        out = self.head(h.flatten(1))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+class _FillWithReplicaValue(torch.nn.Module):
+    """``weight.index_fill(0, rows, h.max())``: a per-replica fill value
+    (vmap fills wrong values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 5)
+        self.weight = torch.nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        out = h @ self.weight.index_fill(0, torch.tensor([1, 3]),
+                                         h.max().detach())
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+class _PaddedReplicaEmbedding(torch.nn.Module):
+    """An embedding with a padding index and a weight computed from the
+    replica's data (vmap's gradient of the weight is wrong)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 5)
+        self.embedding = torch.nn.Embedding(5, 5, padding_idx=0)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        weight = self.embedding.weight * (1 + h.mean())
+        ids = torch.arange(x.shape[0]) % 5
+        out = self.head(torch.nn.functional.embedding(ids, weight,
+                                                      padding_idx=0) + h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("make_net", [
+    _SeparatedIndices, _FillWithReplicaValue, _PaddedReplicaEmbedding])
+def test_indexing_vmap_gets_wrong_sends_replicas_to_sequential(make_net):
+    torch.manual_seed(0)
+    net = make_net()
+    twin = copy.deepcopy(net)
+    inputs = make_data(2 * 2 * 4)
+    model, _ = _train(net, options(accumulation=2, replicas=2), inputs)
+    _reference(twin, inputs, accumulation=2, replicas=2)
+    assert_same_weights(net, twin)
+    assert compiled_model(model).engine.replicas.path == "sequential"
+
+
 class _QueueWriter(torch.nn.Module):
     """Writes its keys into a queue buffer at a pointer buffer, as MoCo
     does: ``queue[:, index] = keys.T`` with a per-replica index, which
