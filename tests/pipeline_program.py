@@ -4,7 +4,8 @@ stages in each process) for the multi-process pipeline tests.
 
     pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
         [--different-inputs] [--dataloader] [--tied] [--clip NORM]
-        [--loss-scale SCALE] [--running-mean] [--fail kill|raise]
+        [--loss-scale SCALE] [--running-mean] [--momentum M]
+        [--fail kill|raise]
 
 Every process trains ``Chain`` (K blocks, one per IPU) with
 ``PipelinedExecution`` for N calls of D = 2 iterations of G = 2K - 1
@@ -22,8 +23,9 @@ clips the gradient norm (``max_grad_norm``), ``--loss-scale`` turns
 automatic loss scaling on, starting from SCALE, and gives the last block a
 weight whose gradient is ``LOUDNESS`` times its output's (so that one
 stage's gradients overflow first), ``--running-mean`` selects
-``MeanReductionStrategy.Running``. With ``--fail``, process 1 kills itself
-or raises before its second call.
+``MeanReductionStrategy.Running``, ``--momentum`` sets SGD's momentum (0.9
+by default; 0 keeps no optimizer state). With ``--fail``, process 1 kills
+itself or raises before its second call.
 """
 import argparse
 import os
@@ -100,12 +102,12 @@ def every_pipelines_data(stages: int, calls: int, pipelines: int
 
 
 def optimizer(net: torch.nn.Module, poptorch_optimizer: bool = True,
-              **extra) -> torch.optim.Optimizer:
-    """SGD with momentum (poptorch's reads the device state, and takes
+              momentum: float = 0.9, **extra) -> torch.optim.Optimizer:
+    """SGD with ``momentum`` (poptorch's reads the device state, and takes
     ``extra`` attributes)."""
     if not poptorch_optimizer:
-        return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    return poptorch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
+        return torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
+    return poptorch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum,
                               **extra)
 
 
@@ -131,6 +133,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float)
     parser.add_argument("--loss-scale", type=float)
     parser.add_argument("--running-mean", action="store_true")
+    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--fail", choices=["kill", "raise"])
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
@@ -159,7 +162,7 @@ def main() -> None:
     if arguments.loss_scale is not None:
         options.Training.setAutomaticLossScaling(True)
         extra["loss_scaling"] = arguments.loss_scale
-    sgd = optimizer(net, **extra)
+    sgd = optimizer(net, momentum=arguments.momentum, **extra)
     model = poptorch.trainingModel(net, options, sgd)
     if arguments.dataloader:
         calls = poptorch.DataLoader(options, every_pipelines_data(

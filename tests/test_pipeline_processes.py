@@ -44,7 +44,8 @@ def _run(output, processes: int, *extra):
 
 def _plain_training(stages: int, pipelines: int, calls: int = 2,
                     tied: bool = False, clip: Optional[float] = None,
-                    loss_scale: Optional[float] = None, scales=None):
+                    loss_scale: Optional[float] = None, scales=None,
+                    momentum: float = 0.9):
     """The same training in plain PyTorch: process 0's initial weights,
     each optimizer step averaging the gradients of every pipeline's G
     micro-batches (clipped to ``clip``; with automatic loss scaling by
@@ -54,7 +55,8 @@ def _plain_training(stages: int, pipelines: int, calls: int = 2,
     torch.manual_seed(1)
     net = program.Chain(stages, annotate=False, tied=tied,
                         loud=loss_scale is not None)
-    sgd = program.optimizer(net, poptorch_optimizer=False)
+    sgd = program.optimizer(net, poptorch_optimizer=False,
+                            momentum=momentum)
     scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0,
                                   enabled=loss_scale is not None)
     accumulation = program.accumulation(stages)
@@ -142,6 +144,15 @@ def test_two_processes_run_the_two_stages_of_one_pipeline(tmp_path):
     for code, err in _run(tmp_path, 2):
         assert code == 0, err
     _check_processes(tmp_path, stages=2, pipelines=1)
+
+
+@pytest.mark.slow
+def test_an_optimizer_without_state_trains_the_pipeline(tmp_path):
+    """Plain SGD keeps no optimizer state (the stages' share of it was
+    looked up for every weight, a KeyError)."""
+    for code, err in _run(tmp_path, 2, "--momentum", "0"):
+        assert code == 0, err
+    _check_processes(tmp_path, stages=2, pipelines=1, momentum=0.0)
 
 
 @pytest.mark.slow

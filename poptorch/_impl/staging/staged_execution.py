@@ -389,7 +389,8 @@ class StagedExecution:
         for position, index in enumerate(training.trainable):
             stage = self._owners[index][0]
             owned[stage].append(state.trainable[position])
-            owned[stage].extend(state.optimizer[i] for i in state_of[position])
+            owned[stage].extend(state.optimizer[i]
+                                for i in state_of.get(position, []))
         for stage, written in enumerate(self._staged.buffer_writers()):
             for buffers in state.buffer_sets:
                 owned[stage].extend(buffers[i] for i in written)
