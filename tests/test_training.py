@@ -257,20 +257,23 @@ def test_user_autograd_function_trains_with_its_own_backward():
 
 
 class _Checkpointed(torch.nn.Module):
-    """Runs its middle layer under torch.utils.checkpoint."""
+    """Runs its middle layer under torch.utils.checkpoint; ``on_input``
+    checkpoints it on the input rather than on the first layer's output
+    (no input of the checkpoint requires a gradient)."""
 
-    def __init__(self, reentrant=False):
+    def __init__(self, reentrant=False, on_input=False):
         super().__init__()
         self.reentrant = reentrant
+        self.on_input = on_input
         self.a = torch.nn.Linear(4, 8)
         self.b = torch.nn.Linear(8, 8)
         self.c = torch.nn.Linear(8, 3)
 
     def forward(self, x, y):
-        h = torch.relu(self.a(x))
+        h = torch.cat([x, x], 1) if self.on_input else torch.relu(self.a(x))
         h = torch.utils.checkpoint.checkpoint(
             lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
-        out = self.c(h)
+        out = self.c(h + self.a(x) if self.on_input else h)
         return out, torch.nn.functional.cross_entropy(out, y)
 
 
@@ -322,10 +325,24 @@ def test_recomputed_dropout_keeps_the_forward_pass_mask():
     torch.testing.assert_close(gradient, (out != 0).float() * 2.0)
 
 
-def test_reentrant_torch_checkpoint_is_an_error_naming_the_fix():
-    model = poptorch.trainingModel(_Checkpointed(reentrant=True))
-    with pytest.raises(poptorch.Error, match="use_reentrant"):
-        model(*make_data(4))
+@pytest.mark.parametrize("on_input", [False, True])
+def test_reentrant_torch_checkpoint_trains_like_plain_pytorch(on_input):
+    """torch's default checkpoint (use_reentrant=True, which only recomputes
+    under an eager .backward()) was refused; it trains as in PyTorch, where
+    a checkpoint whose inputs need no gradient gives none to its layers."""
+    torch.manual_seed(0)
+    net = _Checkpointed(reentrant=True, on_input=on_input)
+    twin = copy.deepcopy(net)
+    initial = net.b.weight.detach().clone()
+    model = poptorch.trainingModel(net, options(accumulation=2),
+                                   torch.optim.SGD(net.parameters(), lr=0.5))
+    x, y = make_data(8)
+    for _ in range(2):
+        model(x, y)
+        reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.5),
+                           (x, y), accumulation=2)
+    assert_same_weights(net, twin, atol=1e-6)
+    assert torch.equal(net.b.weight, initial) == on_input
 
 
 class _SparseEmbeddings(torch.nn.Module):

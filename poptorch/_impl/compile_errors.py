@@ -14,9 +14,7 @@ as ``poptorch.Error`` naming the operation and the line:
   ``output_size``, ``one_hot`` without ``num_classes``...), with the
   fixed-shape alternative to each;
 * operations that cannot run on fake tensors (a custom operator without a
-  fake implementation, ``.numpy()``...);
-* ``torch.utils.checkpoint`` with ``use_reentrant=True`` in a training
-  model (the captured backward pass is ``torch.autograd.grad``).
+  fake implementation, ``.numpy()``...).
 
 Any other exception raised while the model is traced, by PyTorch (a
 ``TypeError`` from bad arguments to an operator, a ``RuntimeError`` from a
@@ -96,11 +94,6 @@ _STATIC_ALTERNATIVES = {
 _ANY_STATIC_ALTERNATIVE = ("use a fixed-shape form of the computation, "
                            "such as torch.where(mask, x, 0) or a "
                            "multiplication by a mask")
-_REENTRANT_CHECKPOINT = (
-    "uses torch.utils.checkpoint with use_reentrant=True, which only "
-    "recomputes under an eager .backward() call, while the captured "
-    "training step differentiates with torch.autograd.grad; pass "
-    "use_reentrant=False, which the captured backward pass recomputes")
 _UNSUPPORTED = ("uses the operation {op}, which cannot be captured: it has "
                 "no implementation for tensors without data (fake tensors)")
 
@@ -178,8 +171,6 @@ def _refusal(error: Exception) -> Optional[str]:
         return _UNSUPPORTED.format(op=_operation(error))
     if "fake impl" in str(error) or "tensor subclasses" in str(error):
         return f"uses an operation that cannot be captured: {error}"
-    if "use_reentrant=True" in str(error):
-        return _REENTRANT_CHECKPOINT
     return None
 
 

@@ -1,5 +1,12 @@
-"""``torch.utils.checkpoint`` (non-reentrant) inside a captured training
-step.
+"""``torch.utils.checkpoint`` inside a captured training step.
+
+The reentrant variant (``use_reentrant=True``, torch's default when the
+argument is left out, which older Hugging Face and timm code calls)
+recomputes only under an eager ``.backward()``, while the captured step
+differentiates with ``torch.autograd.grad``: it runs as the non-reentrant
+variant, which computes the same values and gradients. As in PyTorch, a
+reentrant checkpoint none of whose tensor inputs requires a gradient gives
+no gradient to what it computes (``_Reentrant``).
 
 A checkpointed part of ``forward`` runs again in the backward pass, where
 the autograd engine runs without the TorchFunctionModes of the forward pass
@@ -88,11 +95,27 @@ def _forward_recorded(inner, draws: _RandomDraws):
     yield from inner
 
 
+class _Reentrant:
+    """Stands for ``torch.utils.checkpoint.CheckpointFunction`` during a
+    capture: ``checkpoint(..., use_reentrant=True)`` calls its ``apply``."""
+
+    @staticmethod
+    def apply(function, preserve_rng_state, *args):
+        if not any(isinstance(arg, torch.Tensor) and arg.requires_grad
+                   for arg in args):
+            with torch.no_grad():
+                return function(*args)
+        return torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False,
+            preserve_rng_state=preserve_rng_state)
+
+
 @contextlib.contextmanager
 def with_modes(enter_modes: Callable[[], contextlib.ExitStack]
                ) -> Iterator[None]:
     """While the block runs, each checkpoint recomputation runs inside the
-    modes that ``enter_modes()`` enters."""
+    modes that ``enter_modes()`` enters, and reentrant checkpoints run as
+    non-reentrant ones."""
     original = getattr(torch_checkpoint, _GENERATOR, None)
     if original is None:
         yield
@@ -112,8 +135,11 @@ def with_modes(enter_modes: Callable[[], contextlib.ExitStack]
         return (_forward_recorded(inner, draws) if preserve_rng_state
                 else inner)
 
+    reentrant = torch_checkpoint.CheckpointFunction
     setattr(torch_checkpoint, _GENERATOR, generator)
+    torch_checkpoint.CheckpointFunction = _Reentrant
     try:
         yield
     finally:
         setattr(torch_checkpoint, _GENERATOR, original)
+        torch_checkpoint.CheckpointFunction = reentrant
