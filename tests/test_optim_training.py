@@ -399,21 +399,28 @@ def run_calls(model, first, count, rows=8):
         model(*make_data(rows, seed=call))
 
 
+def trained_mlp(make, opts, calls, rows=8):
+    """A fresh MLP, its optimizer (``make``) and its training model, after
+    ``calls`` calls of ``rows`` rows."""
+    module = fresh_mlp()
+    optimizer = make(module.parameters())
+    model = poptorch.trainingModel(module, opts, optimizer)
+    run_calls(model, 0, calls, rows)
+    return module, optimizer, model
+
+
+def momentum_sgd(params):
+    return P.SGD(params, lr=0.05, momentum=0.9)
+
+
 @pytest.mark.parametrize("compile_first", [False, True],
                          ids=["load-then-compile", "compile-then-load"])
 @pytest.mark.parametrize("case", RESUMABLE)
 def test_resuming_from_state_dicts_is_bit_identical(case, compile_first):
     make = RESUMABLE[case]
     opts = options(2, 2)
-    uninterrupted = fresh_mlp()
-    model = poptorch.trainingModel(uninterrupted, opts,
-                                   make(uninterrupted.parameters()))
-    run_calls(model, 0, 3)
-
-    saved_module = fresh_mlp()
-    saved_optimizer = make(saved_module.parameters())
-    saved = poptorch.trainingModel(saved_module, opts, saved_optimizer)
-    run_calls(saved, 0, 2)
+    uninterrupted, _, _ = trained_mlp(make, opts, 3)
+    _, saved_optimizer, saved = trained_mlp(make, opts, 2)
     weights = checkpoint(saved.state_dict())
     optimizer_state = checkpoint(saved_optimizer.state_dict())
 
@@ -436,15 +443,8 @@ def test_set_optimizer_with_a_loaded_new_optimizer_rolls_back(case):
     from the checkpoint's state (the device kept its own before)."""
     make = RESUMABLE[case]
     opts = options(2, 2)
-    uninterrupted = fresh_mlp()
-    model = poptorch.trainingModel(uninterrupted, opts,
-                                   make(uninterrupted.parameters()))
-    run_calls(model, 0, 3)
-
-    rolled_back = fresh_mlp()
-    optimizer = make(rolled_back.parameters())
-    model = poptorch.trainingModel(rolled_back, opts, optimizer)
-    run_calls(model, 0, 2)
+    uninterrupted, _, _ = trained_mlp(make, opts, 3)
+    rolled_back, optimizer, model = trained_mlp(make, opts, 2)
     weights = checkpoint(model.state_dict())
     optimizer_state = checkpoint(optimizer.state_dict())
     run_calls(model, 5, 2)
@@ -460,15 +460,9 @@ def test_set_optimizer_with_a_loaded_new_optimizer_rolls_back(case):
 def test_set_optimizer_with_a_fresh_optimizer_keeps_the_device_state():
     """A new optimizer without a state of its own changes the
     hyper-parameters only (as in PopTorch): the momentum carries on."""
-    uninterrupted = fresh_mlp()
-    model = poptorch.trainingModel(uninterrupted, options(2), P.SGD(
-        uninterrupted.parameters(), lr=0.05, momentum=0.9))
-    run_calls(model, 0, 3, rows=4)
-    swapped = fresh_mlp()
-    model = poptorch.trainingModel(swapped, options(2), P.SGD(
-        swapped.parameters(), lr=0.05, momentum=0.9))
-    run_calls(model, 0, 2, rows=4)
-    model.setOptimizer(P.SGD(swapped.parameters(), lr=0.05, momentum=0.9))
+    uninterrupted, _, _ = trained_mlp(momentum_sgd, options(2), 3, rows=4)
+    swapped, _, model = trained_mlp(momentum_sgd, options(2), 2, rows=4)
+    model.setOptimizer(momentum_sgd(swapped.parameters()))
     run_calls(model, 2, 1, rows=4)
     for a, b in zip(uninterrupted.parameters(), swapped.parameters()):
         assert torch.equal(a, b)
@@ -518,14 +512,9 @@ def test_state_dict_is_torch_format_with_device_extras(pair):
 
 
 def test_destroy_keeps_the_optimizer_state_for_the_next_compilation():
-    uninterrupted = fresh_mlp()
-    model = poptorch.trainingModel(uninterrupted, options(2), P.SGD(
-        uninterrupted.parameters(), lr=0.05, momentum=0.9))
-    run_calls(model, 0, 3, rows=4)
-    destroyed_module = fresh_mlp()
-    destroyed = poptorch.trainingModel(destroyed_module, options(2), P.SGD(
-        destroyed_module.parameters(), lr=0.05, momentum=0.9))
-    run_calls(destroyed, 0, 2, rows=4)
+    uninterrupted, _, _ = trained_mlp(momentum_sgd, options(2), 3, rows=4)
+    destroyed_module, _, destroyed = trained_mlp(momentum_sgd, options(2), 2,
+                                                 rows=4)
     destroyed.destroy()
     run_calls(destroyed, 2, 1, rows=4)
     for a, b in zip(uninterrupted.parameters(), destroyed_module.parameters()):
