@@ -253,3 +253,35 @@ def test_a_returned_constant_is_a_copy():
     _, table = model(torch.ones(2))
     table.zero_()
     torch.testing.assert_close(model(torch.ones(2))[1], torch.arange(3.0))
+
+
+class _ReturnsWrittenWeight(torch.nn.Module):
+    """Returns a frozen weight that forward adds 1 to in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.counter = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.counter.add_(1.0)
+        loss = torch.nn.functional.mse_loss(x * self.scale,
+                                            torch.zeros_like(x))
+        return loss, self.counter
+
+
+@pytest.mark.parametrize("mode, expected", [
+    (poptorch.OutputMode.All, [1.0, 2.0, 3.0]),
+    (poptorch.OutputMode.Sum, [6.0])])
+def test_a_weight_written_in_place_is_returned_as_each_step_saw_it(
+        mode, expected):
+    """Every device iteration's value of a weight forward writes in place
+    (all of them were the last one's)."""
+    opts = poptorch.Options().deviceIterations(3)
+    opts.outputMode(mode)
+    net = _ReturnsWrittenWeight()
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    _, counter = model(torch.ones(3, 1))
+    assert counter.flatten().tolist() == expected

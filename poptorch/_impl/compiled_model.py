@@ -332,7 +332,8 @@ class CompiledModel:
             OutputCollector(self.output_mode,
                             self.spec.options.output_return_period,
                             iterations, layout.replicas,
-                            layout.gradient_accumulation),
+                            layout.gradient_accumulation,
+                            stored=self.analysis.stored_outputs),
             self.output_mode, training, iterations, layout.replicas)
         if timer is not None:
             collector = timer.collector(collector)

@@ -8,7 +8,7 @@ Sum), b > 1 multiplies dimension 0 by b (0-d outputs become 1-d of length b)
 in [D, G, R] order, and b = 1 returns exactly the model's shapes.
 """
 import copy
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -40,15 +40,20 @@ class OutputCollector:
     ``accumulation`` micro-batch steps per device iteration. EveryN keeps
     every micro-batch of device iterations N - 1, 2 N - 1, ... (PopART's
     return period counts batches per step; an anchor's shape has the
-    accumulation dimension)."""
+    accumulation dimension). The outputs at the ``stored`` positions are
+    tensors the steps read rather than compute (a parameter or buffer
+    returned as it is), which later steps may write in place: they are
+    copied as they are collected."""
 
     def __init__(self, mode: OutputMode, period: int, iterations: int,
-                 replicas: int, accumulation: int = 1) -> None:
+                 replicas: int, accumulation: int = 1,
+                 stored: Sequence[int] = ()) -> None:
         self.mode = mode
         self.period = period
         self.iterations = iterations
         self.replicas = replicas
         self.accumulation = accumulation
+        self._stored = frozenset(stored)
         self._kept: List[List[torch.Tensor]] = []
         self._sums: List[Optional[List[torch.Tensor]]] = [None] * replicas
 
@@ -64,6 +69,9 @@ class OutputCollector:
             outputs: List[torch.Tensor]) -> None:
         if not self.wants(iteration):
             return
+        if self._stored:
+            outputs = [t.clone() if index in self._stored else t
+                       for index, t in enumerate(outputs)]
         if self.mode == OutputMode.Sum:
             previous = self._sums[replica]
             self._sums[replica] = (list(outputs) if previous is None else
