@@ -182,13 +182,18 @@ def test_inference_compiled_after_training_starts_from_trained_weights(
     torch.testing.assert_close(inference(x), twin(x), atol=1e-6, rtol=0)
 
 
-def test_host_changes_need_copy_weights_to_device(mlp):
+def test_host_changes_need_copy_weights_to_device(mlp, poptorch_log):
+    """As in PopTorch; the call that runs without the change says so (a
+    host-side EMA of the weights went unseen without a word)."""
     x, _ = make_data(2)
     model = poptorch.inferenceModel(mlp)
     before = model(x)
+    assert "changed in place" not in poptorch_log.text
     with torch.no_grad():
         mlp.fc2.bias.add_(1.0)
     torch.testing.assert_close(model(x), before)
+    assert ("['fc2.bias'] changed in place on the host since this inference "
+            "model last copied its weights") in poptorch_log.text
     model.copyWeightsToDevice()
     torch.testing.assert_close(model(x), before + 1.0)
 

@@ -29,6 +29,8 @@ class DeviceState:
         #: had been written when the last copy between them and the device
         #: was made (``host_changed``).
         self._host_marks: List[tuple] = []
+        #: The host tensors those marks are of.
+        self._host_copied: List[torch.Tensor] = []
         #: With sharded weights (``distributed/weight_sharding.py``), the
         #: ``WeightRows`` of the parameters kept as this process's rows.
         self.rows = None
@@ -67,7 +69,7 @@ class DeviceState:
             self._cut_into_rows()
         self.buffers = [_copy(buffers, self.device)
                         for _ in range(self.buffer_sets)]
-        self._host_marks = _marks(params + buffers)
+        self._remember_host(params + buffers)
 
     @staticmethod
     def _check_compiled_like(named, kind: str) -> None:
@@ -150,7 +152,16 @@ class DeviceState:
             torch._foreach_copy_(params, self.whole_params())
         if buffers:
             torch._foreach_copy_(buffers, self.buffers[0])
-        self._host_marks = _marks(params + buffers)
+        self._remember_host(params + buffers)
+
+    def _remember_host(self, host: List[torch.Tensor]) -> None:
+        self._host_copied = host
+        self._host_marks = _marks(host)
+
+    def host_edited(self) -> List[str]:
+        """``host_changed`` of the tensors of the last copy, without looking
+        the module's tensors up again (cheap enough for every call)."""
+        return self._changed(self._host_copied)
 
     def host_changed(self, module: torch.nn.Module) -> List[str]:
         """The names of the module's parameters and buffers written in

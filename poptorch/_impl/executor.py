@@ -282,7 +282,23 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._connect_for_run()
             self._load_weights_trained_elsewhere(
                 same_module=self._loaded_version != self._sync.version)
+            self._report_host_edits()
             return self._run(call)
+
+    def _report_host_edits(self) -> None:
+        """Weights or buffers edited in place on the host since the last
+        copy between them and the device are not seen by the device (as in
+        PopTorch): logged once, naming them."""
+        edited = self._compiled.state.host_edited()
+        if edited:
+            warn_once(
+                f"{edited} changed in place on the host since this "
+                f"{'training' if self._training else 'inference'} model "
+                "last copied its weights to or from the device, so it runs "
+                "without the change (as PopTorch does): call "
+                "copyWeightsToDevice() after changing weights or buffers in "
+                "place (a host-side EMA of the weights, an edit through "
+                "torch.no_grad()).")
 
     def _check_still_valid(self, call: CallArguments) -> None:
         """Before a call of a compiled model: the same argument structure,
