@@ -48,9 +48,9 @@ def forget(derived: List[Derived]) -> None:
         module.__dict__.pop(name, None)
 
 
-def refresh(module: torch.nn.Module) -> None:
+def refresh(derived: List[Derived]) -> None:
     """Set each derived weight from the host's parameters and buffers (after
     the trained weights reached the host), as the module's next run on the
     host would."""
-    for sub, name, compute in derived_weights(module):
-        sub.__dict__[name] = compute()
+    for module, name, compute in derived:
+        module.__dict__[name] = compute()

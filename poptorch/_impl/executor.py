@@ -23,6 +23,7 @@ from .compiled_methods import CompiledExecutionMethods
 from .compiled_model import CompiledModel, ModelSpec
 from .device_state import updatable_buffers
 from .devices import select_device
+from .frozen_constants import mode_name
 from .lightning_logging import logged_output
 from .log_files import apply_log_options
 from .logger import logger, warn_once
@@ -222,8 +223,8 @@ class PoplarExecutor(CompiledExecutionMethods):
         if self._training:
             self._link.device_state = compiled.training.optimizer_state
             self._trainable = _trainable(self._module)
-            with weight_sync.host_reads_suspended():
-                self._derived = derived_weights.derived_weights(self._module)
+        with weight_sync.host_reads_suspended():
+            self._derived = derived_weights.derived_weights(self._module)
         self._param_dtypes = [param.dtype
                               for param in _host_params(self._module)]
         self._structure = self._sync.structure
@@ -409,7 +410,7 @@ class PoplarExecutor(CompiledExecutionMethods):
         with self._profile.top_range("weight download"), \
                 weight_sync.host_reads_suspended():
             compiled.state.store_to_host(self._module)
-            derived_weights.refresh(self._module)
+            derived_weights.refresh(self._derived)
         if self._sync.trainer is self:
             self._sync.device_newer = False
 
@@ -641,7 +642,7 @@ def _modes_changed(module: torch.nn.Module, training: bool,
               if not any(module.get_submodule(name).children())] or names
     shown = ", ".join(
         f"{name} ({type(module.get_submodule(name)).__name__}): "
-        f"{_mode(flags[name])}" for name in layers[:3])
+        f"{mode_name(flags[name])}" for name in layers[:3])
     if len(layers) > 3:
         shown += f" and {len(layers) - 3} more"
     parts = []
@@ -649,7 +650,7 @@ def _modes_changed(module: torch.nn.Module, training: bool,
         parts.append(f"its sub-modules in the modes they have now ({shown})")
     if "" in changed:
         parts.append(f"the module's own flag as it was when wrapped "
-                     f"({_mode(flags[''])})")
+                     f"({mode_name(flags[''])})")
     wrapper = "trainingModel" if training else "inferenceModel"
     return (f"The train/eval modes of the wrapped {type(module).__name__} "
             f"changed after {wrapper}() wrapped it. The model compiles with "
@@ -658,10 +659,6 @@ def _modes_changed(module: torch.nn.Module, training: bool,
             "training flag. If that is not what you meant, call "
             "model.train() or model.eval() as required before wrapping, or "
             "poptorch_model.train()/eval() before the model compiles")
-
-
-def _mode(training: bool) -> str:
-    return "training" if training else "evaluation"
 
 
 def _rebuild_executor(module, options, training, optimizer,

@@ -77,12 +77,12 @@ class FrozenConstants:
         warn_once(
             f"The train/eval mode of "
             f"'{name or type(self._module).__name__}' in the wrapped module "
-            "changed "
-            f"after the model was compiled ({_mode(self._modes[name])} when "
-            f"compiled, now {_mode(modes[name])}). The compiled model keeps "
-            "the modes it was compiled with, as PopTorch does: set them "
-            "before the first call, or call destroy() to compile the model "
-            "again in the new modes.")
+            "changed after the model was compiled "
+            f"({mode_name(self._modes[name])} when compiled, now "
+            f"{mode_name(modes[name])}). The compiled model keeps the modes "
+            "it was compiled with, as PopTorch does: set them before the "
+            "first call, or call destroy() to compile the model again in "
+            "the new modes.")
 
     def _warn(self, what: str, remedy: str) -> None:
         self._reported = True
@@ -116,7 +116,8 @@ def _watched(module: torch.nn.Module
     return attributes, modes
 
 
-def _mode(training: bool) -> str:
+def mode_name(training: bool) -> str:
+    """How messages name a ``training`` flag."""
     return "training" if training else "evaluation"
 
 

@@ -219,12 +219,11 @@ def _hooked_class(original: type) -> type:
     if hooked is None:
         namespace = {name: _reading(getattr(original, name))
                      for name in _READ_METHODS}
-        namespace["load_state_dict"] = _writing(original.load_state_dict)
         namespace.update(
-            register_buffer=_registering(original.register_buffer,
-                                         "_buffers"),
-            register_parameter=_registering(original.register_parameter,
-                                            "_parameters"))
+            load_state_dict=_writing(original.load_state_dict),
+            register_buffer=_writing(original.register_buffer, "_buffers"),
+            register_parameter=_writing(original.register_parameter,
+                                        "_parameters"))
         namespace.update(
             __getattr__=_getattr, __setattr__=_setattr,
             __reduce_ex__=_reduce_ex,
@@ -287,28 +286,18 @@ def _reading(method):
     return hooked
 
 
-def _writing(method):
+def _writing(method, table: Optional[str] = None):
+    """``method``, a write to the host copy (``load_state_dict``); with
+    ``table``, ``register_buffer`` / ``register_parameter`` into that table
+    of the module, which also changes the structure when the name is new
+    (re-pruning registers a new mask under the old name)."""
     def hooked(self, *args, **kwargs):
-        _before_read(self)
-        result = method(self, *args, **kwargs)
-        _after_write(self, structural=False)
-        return result
-
-    hooked.__name__ = method.__name__
-    hooked.__doc__ = method.__doc__
-    return hooked
-
-
-def _registering(method, table: str):
-    """``register_buffer`` / ``register_parameter``: a write to the host copy
-    (re-pruning registers a new mask under the old name), and a change of
-    structure when the name is new."""
-    def hooked(self, name, *args, **kwargs):
         if _suspended[0]:
-            return method(self, name, *args, **kwargs)
+            return method(self, *args, **kwargs)
         _before_read(self)
-        new = name not in self.__dict__[table]
-        result = method(self, name, *args, **kwargs)
+        name = args[0] if args else kwargs.get("name")
+        new = table is not None and name not in self.__dict__[table]
+        result = method(self, *args, **kwargs)
         _after_write(self, structural=new)
         return result
 

@@ -34,9 +34,9 @@ and, with ``broadcastBuffers(False)``, keeps its own buffers. Three paths:
   vmap cannot trace the model (for example an ``autograd.Function`` without
   a vmap rule, ``torch.utils.checkpoint``, which recomputes part of the
   forward pass in the backward pass, outside vmap, gradient hooks on
-  activations, ``autograd_queries.py``, or an operation whose values or gradient
-  vmap computes wrongly, ``misbatched_ops.py``): the first step is
-  traced vectorised and, if that fails, traced again on the sequential
+  activations, ``autograd_queries.py``, or an operation whose values or
+  gradient vmap computes wrongly, ``misbatched_ops.py``): the first step
+  is traced vectorised and, if that fails, traced again on the sequential
   path; the reason is logged at DEBUG.
 
 Outputs keep the [D, G, R] order: the vectorised step returns [R, ...]

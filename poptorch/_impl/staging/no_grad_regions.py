@@ -57,9 +57,10 @@ def detach_inputs(graph: fx.Graph) -> None:
 def statistics_inputs(graph: fx.Graph) -> Set[int]:
     """The positions of the graph's inputs that a batch normalisation reads
     as running statistics."""
-    inputs = [node for node in graph.nodes if node.op == "placeholder"]
-    return {inputs.index(value) for node in graph.nodes
-            for value in _running_statistics(node) if value in inputs}
+    position = {node: index for index, node in enumerate(
+        node for node in graph.nodes if node.op == "placeholder")}
+    return {position[value] for node in graph.nodes
+            for value in _running_statistics(node) if value in position}
 
 
 def _running_statistics(node: fx.Node) -> List[fx.Node]:
