@@ -5,7 +5,7 @@ stages in each process) for the multi-process pipeline tests.
     pipeline_program.py OUTPUT_DIR [--stages K] [--calls N]
         [--different-inputs] [--dataloader] [--tied] [--clip NORM]
         [--loss-scale SCALE] [--running-mean] [--momentum M]
-        [--fail kill|raise]
+        [--shared-norm] [--fail kill|raise]
 
 Every process trains ``Chain`` (K blocks, one per IPU) with
 ``PipelinedExecution`` for N calls of D = 2 iterations of G = 2K - 1
@@ -24,7 +24,9 @@ automatic loss scaling on, starting from SCALE, and gives the last block a
 weight whose gradient is ``LOUDNESS`` times its output's (so that one
 stage's gradients overflow first), ``--running-mean`` selects
 ``MeanReductionStrategy.Running``, ``--momentum`` sets SGD's momentum (0.9
-by default; 0 keeps no optimizer state). With ``--fail``, process 1 kills
+by default; 0 keeps no optimizer state), ``--shared-norm`` makes the last
+block also apply the first block's BatchNorm (buffers two stages update).
+With ``--fail``, process 1 kills
 itself or raises before its second call.
 """
 import argparse
@@ -42,12 +44,14 @@ ANCHOR = "layers/0/0/addmm"
 
 class Chain(torch.nn.Module):
     """K blocks of Linear + BatchNorm + tanh; the last block also computes
-    the loss, after applying the first block's weight when ``tied``, and
+    the loss, after applying the first block's weight when ``tied`` and
+    its BatchNorm when ``shared_norm``, and
     adds ``LOUDNESS * (loud - loud.detach())`` (zero, with a large
     gradient) when ``loud``."""
 
     def __init__(self, stages: int, annotate: bool = True,
-                 tied: bool = False, loud: bool = False):
+                 tied: bool = False, loud: bool = False,
+                 shared_norm: bool = False):
         super().__init__()
         self.layers = torch.nn.ModuleList(
             [torch.nn.Sequential(torch.nn.Linear(4, 4),
@@ -55,6 +59,7 @@ class Chain(torch.nn.Module):
              for _ in range(stages)])
         self.annotate = annotate
         self.tied = tied
+        self.shared_norm = shared_norm
         self.loud = torch.nn.Parameter(torch.zeros(4)) if loud else None
 
     def forward(self, x, y):
@@ -73,6 +78,8 @@ class Chain(torch.nn.Module):
             return x
         if self.tied:
             x = torch.nn.functional.linear(x, self.layers[0][0].weight)
+        if self.shared_norm:
+            x = self.layers[0][1](x)
         if self.loud is not None:
             x = x + LOUDNESS * (self.loud - self.loud.detach())
         return x
@@ -134,6 +141,7 @@ def main() -> None:
     parser.add_argument("--loss-scale", type=float)
     parser.add_argument("--running-mean", action="store_true")
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--shared-norm", action="store_true")
     parser.add_argument("--fail", choices=["kill", "raise"])
     arguments = parser.parse_args()
     process = int(os.environ["RANK"])
@@ -145,7 +153,8 @@ def main() -> None:
         pipeline = 1
     torch.manual_seed(1 + process)
     net = Chain(arguments.stages, tied=arguments.tied,
-                loud=arguments.loss_scale is not None)
+                loud=arguments.loss_scale is not None,
+                shared_norm=arguments.shared_norm)
     options = poptorch.Options().deviceIterations(ITERATIONS)
     options.autoRoundNumIPUs(True)
     if replicas > 1:

@@ -250,6 +250,18 @@ def test_processes_of_a_pipeline_with_different_inputs_all_fail(tmp_path):
         assert "were called with different inputs" in err
 
 
+@pytest.mark.slow
+def test_a_batch_norm_that_two_processes_run_is_refused(tmp_path):
+    """The first block's BatchNorm runs again in the last stage: the first
+    stage's next micro-batch would have to read the last stage's update,
+    which another process makes at the same time."""
+    for code, err in _run(tmp_path, 2, "--shared-norm"):
+        assert code != 0
+        assert ("stages read buffers that a later stage writes: "
+                "'layers.0.1.running_mean' (read by stage 0, written by "
+                "stage 1)") in err
+
+
 def _poprun(output, instances: int, replicas: int, *extra) -> None:
     """Run the program under ``poprun`` (2 IPUs per replica); it must
     succeed."""

@@ -21,8 +21,9 @@ from ..floating_point_checks import StepFlags
 from ..logger import info_once
 from ..outputs import OutputCollector
 from ..profiling.ranges import profile_range
-from ..staging.staged_execution import (StagedExecution, check_recomputation,
-                                        check_supported)
+from ..staging.staged_execution import (
+    StagedExecution, check_buffers_across_processes, check_recomputation,
+    check_supported)
 from ..training_step import TrainingLayout
 from .engine import CompileInputs, Engine, TrainingSetup
 
@@ -62,6 +63,9 @@ class StagedEngine(Engine):
                                             len(state.params),
                                             len(state.buffers[0]), training)
         check_recomputation(staged, bool(analysis.written_inputs))
+        check_buffers_across_processes(
+            staged, state.buffer_names, distributed.stage_processes(options),
+            training)
         session.record("forward", graph)
         if session.backend.name != "graph":
             info_once(f"The {session.backend.name!r} backend does not "

@@ -39,8 +39,10 @@ micro-batch its replica's value.
 
 Not available yet with several stages (each raises ``poptorch.Error`` at
 compilation): replication in a multi-process run that places one stage per
-process, and models writing to their input tensors when the stages run in
-separate processes or are recomputed. The stage graphs run as captured
+process, models writing to their input tensors when the stages run in
+separate processes or are recomputed, and buffers that a stage reads and a
+later stage writes when the stages run in separate processes
+(``check_buffers_across_processes``). The stage graphs run as captured
 graphs under autograd, with every backend.
 """
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -92,6 +94,31 @@ def check_supported(layout: BatchLayout, processes: int,
         raise Error(f"{what} forward writes to its input tensors: in-place "
                     "writes to inputs are not available when the stages run "
                     "in separate processes.")
+
+
+def check_buffers_across_processes(staged: StagedGraph,
+                                   buffer_names: Sequence[str],
+                                   processes: int, training: bool) -> None:
+    """Raise ``poptorch.Error`` when stages in separate processes would
+    read a buffer that a later stage writes: the stages work on different
+    micro-batches at once, so the earlier stage cannot see the later one's
+    write of the micro-batch before, as running them in order does."""
+    if not training or processes <= 1:
+        return
+    found = staged.buffers_written_later
+    if not found:
+        return
+    listed = ", ".join(f"{buffer_names[buffer]!r} (read by stage {reader}, "
+                       f"written by stage {writer})"
+                       for buffer, reader, writer in found)
+    raise Error(f"{_what(len(staged.stages))} the run places one stage per "
+                f"process, but stages read buffers that a later stage "
+                f"writes: {listed}. A stage's next micro-batch would not see "
+                "the later stage's update, which runs at the same time in "
+                "another process. Put the layers that read and write each "
+                "of these buffers in one block (stage), or run every stage "
+                "in each process (poprun with --num-instances equal to "
+                "--num-replicas).")
 
 
 def check_recomputation(staged: StagedGraph, written_inputs: bool) -> None:

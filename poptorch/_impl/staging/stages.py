@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from ...enums import ReductionType
-from .. import blocks, losses
+from .. import blocks, graph_writes, losses
 from . import no_grad_regions, partition
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                        split_flat, tensor_outputs, trace_user_code)
@@ -53,6 +53,8 @@ class StagedGraph:
     num_outputs: int                    # model output tensors
     has_loss: bool
     output_metas: List[Tuple[torch.Size, torch.dtype]]  # model outputs
+    # (buffer index, stage that reads it, later stage that writes it)
+    buffers_written_later: List[Tuple[int, int, int]]
 
     def param_owners(self) -> List[List[int]]:
         """The stages that read each parameter."""
@@ -133,6 +135,8 @@ def cut_into_stages(graph: fx.GraphModule,
     output_parts = [parts.get(o, 0) for o in outputs[:written]]
     output_parts += [len(stage_ids) - 1] * (len(outputs) - written)
     stages = partition.split(graph, parts, len(stage_ids), output_parts)
+    written_later = _buffers_written_later(
+        graph.graph, parts, outputs[:written], analysis.written_buffers)
     return StagedGraph(
         forward=graph, stages=stages,
         segments=[segments(stage) if training else [] for stage in stages],
@@ -142,7 +146,30 @@ def cut_into_stages(graph: fx.GraphModule,
         num_outputs=len(outputs) - written - int(training),
         has_loss=training,
         output_metas=[(o.meta["val"].shape, o.meta["val"].dtype)
-                      for o in outputs[written:len(outputs) - int(training)]])
+                      for o in outputs[written:len(outputs) - int(training)]],
+        buffers_written_later=written_later)
+
+
+def _buffers_written_later(graph: fx.Graph, parts: Dict[fx.Node, int],
+                           written: Sequence[fx.Node],
+                           buffers: Sequence[int]
+                           ) -> List[Tuple[int, int, int]]:
+    """(buffer index, reading stage, writing stage) of each written buffer
+    that a stage after the first one reading it writes in place (a
+    BatchNorm run by two stages, an EMA read early and updated late): its
+    copy travels to the later stage as an activation, which that stage
+    updates. Within a process both stages hold the same tensor; the next
+    micro-batch of the earlier stage reads the later stage's write."""
+    root_of, writers = graph_writes.roots_and_writes(graph)
+    found = []
+    for buffer, value in zip(buffers, written):
+        root = root_of.get(value, value)
+        reader = parts.get(root, 0)
+        last = max((parts.get(w, 0) for w in writers.get(root, ())),
+                   default=reader)
+        if last > reader:
+            found.append((buffer, reader, last))
+    return found
 
 
 def _is_checkpoint(node: fx.Node) -> bool:
