@@ -416,7 +416,10 @@ class PoplarExecutor(CompiledExecutionMethods):
 
     def copyWeightsToDevice(self) -> None:
         """Copy the wrapped module's parameters and buffers to the device
-        (done implicitly on the first call)."""
+        (done implicitly on the first call). With several replicas, every
+        replica gets the host's values (replicas that kept their own
+        buffers, ``broadcastBuffers(False)`` or batch normalisation
+        statistics, all restart from them)."""
         if self._destroyed:
             self._raise_destroyed("copyWeightsToDevice")
         if self._compiled is None:
