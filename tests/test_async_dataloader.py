@@ -6,6 +6,7 @@ import ctypes
 import faulthandler
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 from collections import namedtuple
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from torch.utils.data import (Dataset, IterableDataset, TensorDataset,
@@ -124,6 +126,19 @@ class RandomFeatureDataset(CountingDataset):
 
     def __getitem__(self, index):
         return torch.stack([super().__getitem__(index)[0], torch.rand(())])
+
+
+class HostRandomDataset(Dataset):
+    """Sample ``i``: ``i`` and a draw of each host generator (torch's,
+    Python's ``random``, numpy's), as augmentations make."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index), torch.rand(()).item(),
+                             random.random(), float(numpy.random.rand())],
+                            dtype=torch.float64)
 
 
 def make_options(device_iterations=1, replicas=1, process=None):
@@ -592,6 +607,49 @@ def test_epochs_left_early_shuffle_as_in_torch_after_loading_ahead(
         assert_same_batches(got_epoch, expected_epoch)
 
 
+def test_distributed_epochs_left_after_loading_ahead_keep_shared_orders():
+    """Each of 2 processes reads its 3 batches of 4 of a shuffled epoch
+    and starts the next epoch without reaching the end (a fixed number of
+    steps per epoch), after the worker began loading that epoch: the
+    worker must go back to the epoch's permutation that every process
+    uses, or the processes would read overlapping parts."""
+    plan = [(3, 16), (3, 28), None]
+    for process in range(2):
+        dataset = CountingDataset(24)
+        expected = read_epochs(
+            DataLoader(make_options(process=(process, 2)), dataset,
+                       batch_size=4, shuffle=True), plan)
+        dataset.loaded.value = 0
+        loader = DataLoader(make_options(process=(process, 2)), dataset,
+                            batch_size=4, shuffle=True,
+                            mode=DataLoaderMode.Async,
+                            async_options={"sharing_strategy":
+                                           SharingStrategy.Fork,
+                                           "buffer_size": 3})
+        got = read_epochs(loader, plan, lambda samples: wait_until(
+            lambda: dataset.loaded.value >= samples))
+        loader.terminate()
+        for got_epoch, expected_epoch in zip(got, expected):
+            assert_same_batches(got_epoch, expected_epoch)
+
+
+def test_worker_starts_from_the_host_random_states():
+    """A worker started by the fork server (the default) draws, without
+    workers of its own, what the synchronous loader draws after the same
+    torch.manual_seed, random.seed and numpy.random.seed."""
+    epochs = {}
+    for mode in (DataLoaderMode.Sync, DataLoaderMode.Async):
+        torch.manual_seed(4)
+        random.seed(4)
+        numpy.random.seed(4)
+        loader = DataLoader(Options(), HostRandomDataset(), batch_size=2,
+                            shuffle=True, mode=mode)
+        epochs[mode] = cloned(loader)
+        loader.terminate()
+    assert_same_batches(epochs[DataLoaderMode.Async],
+                        epochs[DataLoaderMode.Sync])
+
+
 def test_terminate_stops_the_worker_and_blocks_further_use():
     before = worker_processes()
     accessor = fork_accessor(SampleDataset(4))
@@ -704,6 +762,27 @@ def test_knobs_without_effect_are_accepted_and_logged_once(poptorch_log):
     assert any("miss_sleep_time_in_ms has no effect" in m for m in messages)
     assert any("async_options have no effect" in m for m in messages)
     assert any("rebatched_worker_size only applies" in m for m in messages)
+
+
+def test_set_epoch_on_the_consumers_sampler_is_reported(poptorch_log):
+    """The worker loads with its own copy of a torch DistributedSampler:
+    set_epoch on the consumer's copy leaves the order as it was, which a
+    warning says."""
+    dataset = SampleDataset(8)
+    sampler = torch.utils.data.DistributedSampler(
+        dataset, num_replicas=2, rank=0, shuffle=True, seed=3)
+    loader = DataLoader(make_options(), dataset, batch_size=2,
+                        sampler=sampler, mode=DataLoaderMode.Async,
+                        auto_distributed_partitioning=False,
+                        async_options={"sharing_strategy":
+                                       SharingStrategy.Fork})
+    first = values(cloned(loader))
+    sampler.set_epoch(1)
+    assert values(cloned(loader)) == first
+    loader.terminate()
+    messages = [record.getMessage() for record in poptorch_log.records]
+    assert any("set_epoch() was called on the DataLoader's sampler" in m
+               for m in messages)
 
 
 UNGUARDED_SCRIPT = """

@@ -273,8 +273,8 @@ def test_distributed_shuffle_is_a_shared_permutation_that_changes_each_epoch():
         assert sorted(together) == list(range(24))
     assert epochs[0][0][0] != epochs[0][0][1]
     generator = torch.Generator().manual_seed(42)
-    assert together != torch.randperm(24, generator=generator).tolist()
-    generator.manual_seed(42 + 1)
+    first = torch.randperm(24, generator=generator).tolist()
+    assert epochs[0][0][0] + epochs[0][1][0] == first
     assert together == torch.randperm(24, generator=generator).tolist()
 
 
@@ -315,6 +315,23 @@ def test_distributed_iterable_takes_alternate_blocks_of_combined_batches(
         drop_last, expected):
     assert distributed_batches(Stream(11), 2, batch_size=2,
                                drop_last=drop_last) == expected
+
+
+class SizedStream(Stream):
+
+    def __len__(self):
+        return self.length
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_distributed_iterable_length_counts_the_process_batches(drop_last):
+    """A sized stream of 11 samples, batches of 2 over 2 processes: the
+    length of each process's loader is the number of batches it reads."""
+    for process in range(2):
+        loader = DataLoader(make_options(process=(process, 2)),
+                            SizedStream(11), batch_size=2,
+                            drop_last=drop_last)
+        assert len(loader) == len(list(loader)) == 2 + int(not drop_last)
 
 
 def test_distributed_iterable_with_workers_splits_each_worker_stream():

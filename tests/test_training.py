@@ -226,6 +226,28 @@ def test_dropout_is_random_per_call_and_reproducible_with_seed():
     assert 0.3 < kept < 0.7
 
 
+class _Noise(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+def test_without_seed_models_follow_the_host_seed_and_leave_its_generator():
+    """Without randomSeed a model's numbers follow torch.manual_seed, and
+    the host program then draws what it would without poptorch (a
+    DataLoader's next shuffle)."""
+    x = torch.zeros(4, 3)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return poptorch.inferenceModel(_Noise())(x), torch.rand(5)
+
+    noise, host = run(3)
+    torch.manual_seed(3)
+    assert torch.equal(host, torch.rand(5))
+    assert torch.equal(run(3)[0], noise)
+    assert not torch.equal(run(4)[0], noise)
+
+
 def test_user_autograd_function_trains_with_its_own_backward():
     class ScaledGradient(torch.autograd.Function):
         @staticmethod

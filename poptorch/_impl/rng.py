@@ -3,9 +3,12 @@
 Each model keeps its own generator state for its device: random operations in
 the captured graph (dropout, ``torch.rand``...) draw from it, never from the
 host program's generator, and ``Options.randomSeed(N)`` makes them
-reproducible. Without a seed the state is derived from the host generator
-when the model is compiled, so ``torch.manual_seed`` still makes a program
-reproducible.
+reproducible. Without a seed the state is derived from the host generator's
+state when the model is compiled, so ``torch.manual_seed`` still makes a
+program reproducible; the host generator does not advance, so what the
+program draws after (a DataLoader's shuffle, its own noise) is what it
+draws without poptorch. Two models compiled with nothing drawn on the host
+between them therefore start from the same state.
 """
 import contextlib
 from typing import Iterator, List, Optional
@@ -26,13 +29,20 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def _seed_from_host() -> int:
+    """A seed drawn from a copy of the host generator."""
+    copy = torch.Generator()
+    copy.set_state(torch.get_rng_state())
+    return int(torch.randint(0, 2**62, (), generator=copy).item())
+
+
 class ModelRng:
     """Generator state of one model on one device."""
 
     def __init__(self, device: torch.device, seed: Optional[int]) -> None:
         self.device = device
         if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
+            seed = _seed_from_host()
         self.seed = seed
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)

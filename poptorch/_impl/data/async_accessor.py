@@ -37,12 +37,12 @@ from torch.utils.data import BatchSampler, IterableDataset
 
 from ...enums import DataLoaderMode, SharingStrategy
 from ...errors import Error
-from ..logger import info_once
+from ..logger import info_once, warn_once
 from ..profiling.ranges import profile_range
 from ..profiling.trace_events import WAIT_FOR_DATA
 from .ring_buffer import SlotReader
 from .sharing import DatasetSource, start_context, strategy_name
-from .worker import ErrorReport, WorkerConfig, run_worker
+from .worker import ErrorReport, HostRandomStates, WorkerConfig, run_worker
 
 _DEFAULT_MISS_SLEEP_TIME_IN_MS = 0.1
 _STOP_TIMEOUT_S = 5.0
@@ -93,7 +93,7 @@ class AsynchronousDataAccessor:
         config = WorkerConfig(
             buffer_size, load_indefinitely, early_preload, rebatched_size,
             self._rebatch_drop_last, _yields_batches(dataset),
-            torch.get_rng_state(),
+            HostRandomStates.of_this_process(),
             multiprocessing.get_start_method(allow_none=True))
         source = DatasetSource(dataset, strategy)
         self._worker = _WorkerHandle(source, config, strategy)
@@ -104,6 +104,7 @@ class AsynchronousDataAccessor:
         self._consumed_in_epoch = 0
         self._held_slot: Optional[int] = None
         self._fatal: Optional[Error] = None
+        self._sampler_epochs = _sampler_epochs(dataset)
 
     def __len__(self) -> int:
         if self._rebatched_size is None:
@@ -114,12 +115,32 @@ class AsynchronousDataAccessor:
 
     def __iter__(self) -> "AsynchronousDataAccessor":
         self._check_usable()
+        self._warn_of_set_epoch()
         if self._consumed_in_epoch > 0:
             self._restart_epoch()
         elif not self._epoch_open:
             self._worker.send(("start", self._epoch_index))
             self._epoch_open = True
         return self
+
+    def _warn_of_set_epoch(self) -> None:
+        """The worker loads with its own copy of the DataLoader's sampler:
+        ``set_epoch`` called on the consumer's copy (torch's
+        ``DistributedSampler``) does not reach it."""
+        now = _sampler_epochs(self._dataset)
+        changed = [name for name, epoch in now.items()
+                   if epoch != self._sampler_epochs.get(name)]
+        if changed:
+            self._sampler_epochs = now
+            warn_once(
+                f"set_epoch() was called on the DataLoader's {changed[0]} "
+                "after its asynchronous worker started: the worker process "
+                "loads with its own copy of the sampler, which keeps the "
+                "epoch it was given first, so every epoch repeats one "
+                "order. Use poptorch.DataLoader's own split of the data "
+                "between processes (shuffle=True with "
+                "options.randomSeed(N), a new order each epoch), or "
+                "DataLoaderMode.Sync.")
 
     def __next__(self) -> Any:
         """The next batch (a ``wait for data`` range on the timeline)."""
@@ -435,6 +456,20 @@ def _yields_batches(dataset: Any) -> bool:
     with automatic batching) rather than single samples."""
     return (isinstance(dataset, torch.utils.data.DataLoader)
             and dataset.batch_sampler is not None)
+
+
+def _sampler_epochs(dataset: Any) -> Dict[str, Any]:
+    """The ``epoch`` of each sampler of a torch DataLoader that takes
+    ``set_epoch``, by attribute path (``sampler``,
+    ``batch_sampler.sampler``)."""
+    found = {}
+    for path in ("sampler", "batch_sampler", "batch_sampler.sampler"):
+        owner = dataset
+        for name in path.split("."):
+            owner = getattr(owner, name, None)
+        if callable(getattr(owner, "set_epoch", None)):
+            found[path] = getattr(owner, "epoch", None)
+    return found
 
 
 def _rows_per_epoch(dataset: Any) -> int:

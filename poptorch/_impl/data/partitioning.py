@@ -8,9 +8,9 @@ with more instances than replicas, the consecutive instances of one replica
 part (``_Distribution`` in ``dataloader.py``).
 
 Map-style datasets (``DistributedPartitionSampler``): each epoch orders the
-whole dataset (the identity order, or with shuffling a permutation drawn from
-a generator seeded with ``random_seed + epoch``, so it is the same on every
-process and different each epoch), cuts it into ``numProcesses`` contiguous
+whole dataset (the identity order, or with shuffling the next permutation
+drawn from the sampler's generator, seeded with ``random_seed``, so it is
+the same on every process and different each epoch), cuts it into ``numProcesses`` contiguous
 parts of ``len(dataset) // numProcesses`` samples and hands part ``processId``
 to its process. The ``len(dataset) % numProcesses`` samples left over are not
 used that epoch. Contiguous parts (rather than torch's interleaved
@@ -40,25 +40,26 @@ class DistributedPartitionSampler(Sampler[int]):
         self._process_id = process_id
         self._num_processes = num_processes
         self._shuffle = shuffle
-        self._seed = seed
-        self._epoch = 0
+        #: Where the epochs' permutations come from: like the generator of
+        #: torch's ``RandomSampler``, the state that says which epoch comes
+        #: next, which an asynchronous loader's worker puts back when the
+        #: consumer leaves an epoch it had loaded ahead of (``worker.py``).
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
 
     def __len__(self) -> int:
         return self._dataset_length // self._num_processes
 
     def __iter__(self) -> Iterator[int]:
         order = self._epoch_order()
-        self._epoch += 1
         start = self._process_id * len(self)
         return iter(order[start:start + len(self)])
 
     def _epoch_order(self) -> List[int]:
         if not self._shuffle:
             return list(range(self._dataset_length))
-        generator = torch.Generator()
-        generator.manual_seed(self._seed + self._epoch)
         return torch.randperm(self._dataset_length,
-                              generator=generator).tolist()
+                              generator=self.generator).tolist()
 
 
 class ProcessShareIterable(IterableDataset):
@@ -72,6 +73,19 @@ class ProcessShareIterable(IterableDataset):
         self._num_processes = num_processes
         self._block = block
         self._drop_last = drop_last
+
+    def __len__(self) -> int:
+        """This process's share of the ``len(dataset)`` samples of one
+        stream (``TypeError`` when the dataset has no length, as in torch).
+        Like torch's length of an iterable dataset it is what the dataset
+        promises: with torch workers each cuts its own stream, which may
+        leave fewer."""
+        group_size = self._num_processes * self._block
+        groups, left = divmod(len(self.dataset), group_size)
+        share = groups * self._block
+        if left and not self._drop_last:
+            share += left // self._num_processes
+        return share
 
     def __iter__(self) -> Iterator:
         group_size = self._num_processes * self._block

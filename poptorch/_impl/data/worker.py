@@ -39,13 +39,17 @@ the worker had loaded ahead.
 
 Like torch's DataLoader workers, the worker computes with one intra-op
 thread and leaves Ctrl-C to the parent, which stops it. It starts with the
-parent's torch random state (taken when the accessor is built), so shuffling
-inside it follows the user's ``torch.manual_seed``.
+parent's random states (torch's, Python's ``random`` module's and numpy's
+global generator's, taken when the accessor is built), so shuffling and
+augmentations inside it follow the user's ``torch.manual_seed``,
+``random.seed`` and ``numpy.random.seed``, whatever the sharing strategy.
 """
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import random
 import signal
+import sys
 import traceback
 from collections import deque
 from typing import Any, Deque, Iterator, List, NamedTuple, Optional, Tuple
@@ -67,8 +71,31 @@ class WorkerConfig(NamedTuple):
     rebatched_size: Optional[int]
     rebatch_drop_last: bool
     items_are_batches: bool
-    rng_state: torch.Tensor
+    random_states: "HostRandomStates"
     parent_start_method: Optional[str]
+
+
+class HostRandomStates(NamedTuple):
+    """The consumer's random states when the accessor is built: torch's,
+    Python's ``random`` module's and, when the program imported numpy,
+    numpy's global generator's."""
+    torch_state: torch.Tensor
+    python_state: tuple
+    numpy_state: Optional[tuple]
+
+    @classmethod
+    def of_this_process(cls) -> "HostRandomStates":
+        numpy = sys.modules.get("numpy")
+        return cls(torch.get_rng_state(), random.getstate(),
+                   numpy.random.get_state() if numpy is not None else None)
+
+    def apply(self) -> None:
+        """Give this process these states."""
+        torch.set_rng_state(self.torch_state)
+        random.setstate(self.python_state)
+        if self.numpy_state is not None:
+            import numpy
+            numpy.random.set_state(self.numpy_state)
 
 
 class ErrorReport(NamedTuple):
@@ -117,7 +144,7 @@ def _serve(source: DatasetSource, config: WorkerConfig,
     except Exception as error:
         events.send(("fatal", 0, ErrorReport.from_exception(error)))
         return
-    torch.set_rng_state(config.rng_state)
+    config.random_states.apply()
     _WorkerLoop(dataset, config, commands, events).run()
 
 
