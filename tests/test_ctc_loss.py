@@ -120,6 +120,29 @@ def test_blank_not_zero_in_float64():
                          atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_log_probs_are_computed_in_float32(dtype):
+    """200 frames of float16 (bfloat16) log probabilities: the loss and its
+    gradient are PyTorch's float32 ones of the same values, within a
+    rounding unit of the input's dtype (the recursion in float16 lost the
+    gradient: 126 % off)."""
+    torch.manual_seed(0)
+    log_probs = torch.randn(200, 2, 30).log_softmax(-1).to(dtype)
+    log_probs.requires_grad_()
+    targets = torch.randint(1, 30, (2, 40))
+    lengths = (torch.tensor([200, 198]), torch.tensor([40, 39]))
+    loss = ctc_loss(log_probs, targets, *lengths)
+    loss.backward()
+    wide = log_probs.detach().float().requires_grad_()
+    expected = F.ctc_loss(wide, targets, *lengths)
+    expected.backward()
+    assert loss.dtype == dtype
+    torch.testing.assert_close(loss, expected.to(dtype))
+    unit = torch.finfo(dtype).eps * wide.grad.abs().max().item()
+    torch.testing.assert_close(log_probs.grad, wide.grad.to(dtype),
+                               atol=unit, rtol=0)
+
+
 def test_unbatched_input():
     _assert_like_pytorch(_log_probs()[:, 0], torch.tensor([1, 1, 3]),
                          torch.tensor(7), torch.tensor(3), reduction="none")

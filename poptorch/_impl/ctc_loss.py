@@ -370,7 +370,10 @@ def ctc_loss(log_probs: Tensor, targets: Tensor, input_lengths: Lengths,
     concatenated (sum(target_lengths),), with ``reduction`` "none", "mean"
     (each loss divided by its target length, then averaged over the batch)
     or "sum"; ``zero_infinity`` zeroes infinite losses and their
-    gradients."""
+    gradients. Float16 and bfloat16 log probabilities are computed in
+    float32, as PopLibs' CTC computes half inputs with float partials (the
+    recursion's log likelihoods of long utterances, hundreds, keep no
+    fraction bits in float16); the loss has their dtype."""
     _check_arguments(log_probs, blank, reduction)
     batched = log_probs.dim() == 3
     if not batched:
@@ -382,14 +385,18 @@ def ctc_loss(log_probs: Tensor, targets: Tensor, input_lengths: Lengths,
     target_lengths = _lengths("target_lengths", target_lengths, batch,
                               batched, device)
     padded = _padded_targets(targets, target_lengths, batch, batched, frames)
-    nll = _static_losses(log_probs)(log_probs, padded, input_lengths,
-                                    target_lengths, blank,
-                                    bool(zero_infinity))
+    computed = log_probs.to(torch.promote_types(log_probs.dtype,
+                                                torch.float32))
+    nll = _static_losses(computed)(computed, padded, input_lengths,
+                                   target_lengths, blank,
+                                   bool(zero_infinity))
     if reduction == "mean":
-        return (nll / target_lengths.clamp(min=1).to(nll.dtype)).mean()
-    if reduction == "sum":
-        return nll.sum()
-    return nll if batched else nll[0]
+        loss = (nll / target_lengths.clamp(min=1).to(nll.dtype)).mean()
+    elif reduction == "sum":
+        loss = nll.sum()
+    else:
+        loss = nll if batched else nll[0]
+    return loss.to(log_probs.dtype)
 
 
 #: ``reduction`` of the ai.graphcore ``Ctc`` op: a ``poptorch.ReductionType``
