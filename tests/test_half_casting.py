@@ -98,6 +98,51 @@ def test_training_keeps_float32_weights_and_updates(checkpointed):
                                    atol=1e-6, rtol=0)
 
 
+class Recurrent(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.layer = kind(4, 6, num_layers=2, batch_first=True,
+                          bidirectional=True)
+        self.out = torch.nn.Linear(12, 3)
+
+    def forward(self, x, y):
+        logits = self.out(self.layer(x)[0][:, -1])
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("kind", [torch.nn.GRU, torch.nn.LSTM])
+def test_float32_recurrent_layers_train_on_float16_inputs(kind):
+    """PyTorch's recurrent layers refuse an input of another dtype than
+    their weights (outside autocast); under the half/float rule they run in
+    float16 on the float32 weights cast, as PyTorch with the casts written
+    out (functional_call on float16 copies), and train float32 weights
+    (rtol 1e-3: float16 kernels)."""
+    torch.manual_seed(0)
+    net = Recurrent(kind)
+    twin = copy.deepcopy(net)
+    x = torch.randn(4, 5, 4).half()
+    y = torch.tensor([0, 1, 2, 0])
+    with pytest.raises(ValueError, match="does not match weight dtype"):
+        net(x, y)
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    model = poptorch.trainingModel(
+        net, _half_options(), torch.optim.SGD(net.parameters(), lr=0.5))
+    for _ in range(2):
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        halves = {name: value.half() for name, value in
+                  twin.named_parameters()}
+        reference = torch.func.functional_call(twin, halves, (x, y))[1]
+        reference.float().backward()
+        optimizer.step()
+        torch.testing.assert_close(loss.float(), reference.float(),
+                                   rtol=1e-3, atol=1e-3)
+    for name, value in net.named_parameters():
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value, dict(twin.named_parameters())[name],
+                                   rtol=1e-3, atol=1e-3)
+
+
 class MixedParameters(torch.nn.Module):
     """float32 and float16 layers with the casts written by hand (the
     features chapter's third way to use float16)."""

@@ -18,7 +18,15 @@ normalisation (its float32 running statistics are updated in place; PyTorch
 already runs a float16 input with float32 statistics and weights) and the
 backward pass (``torch.autograd.grad`` over parameters of both dtypes: cast
 copies would get no gradients) are left as they are.
+
+Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) check in Python that
+their input has their weights' dtype, a check PyTorch skips under autocast;
+while the rule applies it is skipped for float16/float32 mixes too, and the
+layer's call (``torch.lstm``...) is cast like any other.
 """
+import contextlib
+from typing import Iterator
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -64,6 +72,17 @@ class MixedPrecisionCasting(TorchFunctionMode):
         super().__init__()
         self.dtype = dtype
 
+    def __enter__(self):
+        self._checks = _mixed_recurrent_inputs()
+        self._checks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exception):
+        try:
+            return super().__exit__(*exception)
+        finally:
+            self._checks.__exit__(*exception)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (func not in LEFT_AS_THEY_ARE and not writes(func, kwargs)
@@ -76,3 +95,26 @@ class MixedPrecisionCasting(TorchFunctionMode):
         if tensor.dim() > 0 and tensor.dtype in MIXED:
             return tensor.to(self.dtype)
         return tensor
+
+
+@contextlib.contextmanager
+def _mixed_recurrent_inputs() -> Iterator[None]:
+    """``RNNBase.check_input`` accepting a float16 input for float32
+    weights and the reverse, as under autocast."""
+    checked = torch.nn.RNNBase.check_input
+
+    def check_input(layer, input, batch_sizes):
+        if {input.dtype, layer._flat_weights[0].dtype} != MIXED:
+            return checked(layer, input, batch_sizes)
+        autocasting = torch._C._is_any_autocast_enabled
+        torch._C._is_any_autocast_enabled = lambda: True
+        try:
+            return checked(layer, input, batch_sizes)
+        finally:
+            torch._C._is_any_autocast_enabled = autocasting
+
+    torch.nn.RNNBase.check_input = check_input
+    try:
+        yield
+    finally:
+        torch.nn.RNNBase.check_input = checked
