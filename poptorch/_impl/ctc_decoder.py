@@ -28,6 +28,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from .replica_stacking import replicas_first
+
 _NEGATIVE_INFINITY = float("-inf")
 #: Multiplier of the rolling hash of a prefix's labels (an odd 63-bit
 #: constant; int64 products wrap around).
@@ -56,6 +58,24 @@ def _ctc_beam_search_decoder_fake(probs, lengths, blank, beam_width,
     return (probs.new_empty((batch, top_paths)),
             probs.new_empty((batch, top_paths), dtype=torch.int32),
             probs.new_empty((batch, top_paths, steps), dtype=torch.int32))
+
+
+def _vmap_rule(info, in_dims, probs, lengths, blank, beam_width,
+               top_paths):
+    """Under vmap (vectorised replicas) the R batches of B items are one
+    batch of R x B: each item is decoded on its own."""
+    replicas = info.batch_size
+    stacked = replicas_first(probs, in_dims[0], replicas)
+    steps, batch = stacked.shape[1], stacked.shape[2]
+    merged = stacked.transpose(0, 1).reshape(steps, replicas * batch, -1)
+    results = ctc_beam_search_decoder(
+        merged, replicas_first(lengths, in_dims[1], replicas).flatten(),
+        blank, beam_width, top_paths)
+    return tuple(result.unflatten(0, (replicas, batch))
+                 for result in results), (0, 0, 0)
+
+
+ctc_beam_search_decoder.register_vmap(_vmap_rule)
 
 
 class _Beams:
