@@ -317,6 +317,29 @@ def test_packed_sequences_fail_with_a_hint():
     assert "run the recurrent layer on the padded batch" in message
 
 
+def _seeded_noise(self, h):
+    generator = torch.Generator().manual_seed(3)
+    return h + torch.randn(4, generator=generator)  # marker: generator
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_torch_generator_in_forward_is_refused_at_its_line(training):
+    """The graph would draw on from the generator's state at each step,
+    where PyTorch draws from its state in the program (seeded anew in each
+    forward here: the same numbers every time)."""
+    body = (_seeded_noise if not training else
+            lambda self, h: (_seeded_noise(self, h),
+                             poptorch.identity_loss(h.sum(), "none")))
+    with pytest.raises(poptorch.Error,
+                       match="forward passes a torch.Generator to randn") \
+            as info:
+        model = Wrapped(body)
+        (poptorch.trainingModel(model) if training
+         else poptorch.inferenceModel(model))(torch.randn(2, 4))
+    line = _line_of("# marker: generator")
+    assert f"line {line}, in _seeded_noise" in str(info.value)
+
+
 def test_training_capture_reports_the_same_location():
     message = _capture_error(_item, training=True)
     assert f"line {_line_of('# marker: item')}, in _item" in message

@@ -28,6 +28,10 @@
 * ``F.ctc_loss`` (``nn.CTCLoss``) runs as the static-shape CTC loss of
   ``ctc_loss.py``: PyTorch's kernel sizes its workspace by the targets'
   lengths, values a graph of fake tensors does not have.
+* A random operation given a ``torch.Generator`` (``generator=``) raises
+  ``poptorch.Error`` naming the line: the graph would hold the generator
+  and draw on from its state at each step, where PyTorch draws from
+  wherever the program left it (``_ExplicitGenerators``).
 * ``torch.bincount`` with ``minlength`` has ``minlength`` bins and
   ``F.one_hot`` needs ``num_classes`` (``data_dependent_ops.py``).
 * ``nn.Transformer``, ``nn.TransformerEncoder`` and
@@ -47,6 +51,7 @@
 import contextlib
 import contextvars
 import logging
+import traceback
 from typing import ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch._dynamo
@@ -58,7 +63,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..errors import Error
 from . import traced_warnings
+from .compile_errors import describe_frame, user_frame
 from .ctc_loss import ctc_loss
 from .data_dependent_ops import static_shape_operators
 from .tensor_copies import deepcopy_as_clone
@@ -233,6 +240,29 @@ class _Substitutes(TorchFunctionMode):
         return _SUBSTITUTES.get(func, func)(*args, **(kwargs or {}))
 
 
+class _ExplicitGenerators(TorchFunctionMode):
+    """A random operation given a ``torch.Generator`` raises
+    ``poptorch.Error``: the graph would hold the generator object and draw
+    on from its state at every step, where PyTorch draws from wherever the
+    program left it (a generator seeded in ``forward`` gives the same
+    numbers each time)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(kwargs.get("generator"), torch.Generator):
+            location = describe_frame(user_frame(traceback.extract_stack()))
+            raise Error(
+                f"At {location}, forward passes a torch.Generator to "
+                f"{getattr(func, '__name__', func)}: a compiled model draws "
+                "its random numbers from its own generator "
+                "(Options.randomSeed), and the numbers of a torch.Generator "
+                "cannot be part of its graph. Drop the generator argument "
+                "(opts.randomSeed(N) makes the numbers reproducible), or "
+                "draw fixed numbers (a generator seeded in forward) once "
+                "outside the model and register them as a buffer.")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def fake_tracing() -> Iterator[None]:
     """The context of one trace with fake tensors."""
@@ -246,7 +276,8 @@ def fake_tracing() -> Iterator[None]:
         # part, which torch warns of; its scopes stay balanced.
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False), \
                 traced_warnings.tracing((_COMPILED_PART_HOOKS,)), \
-                _Substitutes(), static_shape_operators(), \
+                _Substitutes(), _ExplicitGenerators(), \
+                static_shape_operators(), \
                 transformers_regular_path(), deepcopy_as_clone():
             yield
     finally:
