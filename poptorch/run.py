@@ -11,7 +11,9 @@ variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) and PopDist's (``POPDIST_NUM_INSTANCES``,
 ``POPDIST_NUM_TOTAL_REPLICAS``, ``POPDIST_NUM_LOCAL_REPLICAS``,
 ``POPDIST_NUM_IPUS_PER_REPLICA``), which ``popdist`` and
-``popdist.poptorch.Options`` read. ``OMP_NUM_THREADS`` defaults to 1 when
+``popdist.poptorch.Options`` read; a training model whose
+``replicationFactor`` is not the instance's share of ``--num-replicas``
+(plain ``poptorch.Options()`` keeps 1) is warned of once. ``OMP_NUM_THREADS`` defaults to 1 when
 one host runs several instances, as with torchrun.
 
 With more instances than replicas, each replica's ``--ipus-per-replica``

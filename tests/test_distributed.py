@@ -14,7 +14,8 @@ import torch
 
 import poptorch
 from poptorch._impl.distributed import consistency, faults
-from poptorch._impl.distributed.environment import ProcessEnvironment
+from poptorch._impl.distributed.environment import (
+    ProcessEnvironment, warn_of_other_replica_count)
 from poptorch._impl.optimizers.plan import plan_optimizer
 from poptorch.run import main as poprun
 from poptorch.run import parse as parse_poprun, topology
@@ -54,6 +55,23 @@ def test_torchrun_variables_give_the_process_ids(monkeypatch):
     opts = poptorch.Options()
     opts.Distributed.disable()
     assert not ProcessEnvironment.from_options(opts).distributed
+
+
+@pytest.mark.parametrize("replicas, warned", [(1, True), (2, False),
+                                              (4, True)])
+def test_a_replica_count_poprun_did_not_ask_for_is_warned(
+        monkeypatch, poptorch_log, replicas, warned):
+    """poprun --num-instances 2 --num-replicas 4: each instance runs 2
+    replicas (plain poptorch.Options() keeps 1, a replicationFactor of
+    the total gives 4 per instance)."""
+    monkeypatch.setenv("POPDIST_NUM_INSTANCES", "2")
+    monkeypatch.setenv("POPDIST_NUM_TOTAL_REPLICAS", "4")
+    monkeypatch.setenv("POPDIST_NUM_LOCAL_REPLICAS", "2")
+    warn_of_other_replica_count(replicas)
+    messages = [r.getMessage() for r in poptorch_log.records]
+    expected = (f"the model's replicationFactor is {replicas}: the run "
+                f"trains {2 * replicas} replicas")
+    assert any(expected in m for m in messages) == warned
 
 
 @pytest.mark.parametrize("variable, value, message", [

@@ -28,7 +28,8 @@ import torch
 from ...enums import ReductionType
 from ...errors import Error
 from . import consistency, process_group
-from .environment import ProcessEnvironment, whole_replicas_per_instance
+from .environment import (ProcessEnvironment, warn_of_other_replica_count,
+                          whole_replicas_per_instance)
 from .gradients import GradientExchange
 from .pipeline_processes import PipelineProcesses
 from .sharding import ShardedExchange, Sharding, StatePlacement
@@ -115,6 +116,7 @@ def start_training(options, state, micro: List[torch.Tensor],
     environment = ProcessEnvironment.from_options(options)
     if not environment.distributed:
         return TrainingProcesses(None)
+    warn_of_other_replica_count(options.replication_factor)
     if grouped:
         raise Error("replicaGrouping is not supported in a distributed run "
                     "(options.Distributed.numProcesses = "

@@ -20,7 +20,7 @@ import torch
 
 from ...errors import Error
 from ..devices import processes_share_a_gpu
-from ..logger import info_once
+from ..logger import info_once, warn_once
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -124,3 +124,25 @@ def instances_per_replica() -> int:
     if replicas < 1 or instances <= replicas or instances % replicas:
         return 1
     return instances // replicas
+
+
+def warn_of_other_replica_count(replication_factor: int) -> None:
+    """Under ``poprun`` with whole replicas in each instance, warn once
+    when the model's ``replicationFactor`` is not the instance's share of
+    ``--num-replicas`` (plain ``poptorch.Options()`` keeps 1): the run then
+    trains another number of replicas than asked for."""
+    if not whole_replicas_per_instance():
+        return
+    try:
+        local = int(os.environ["POPDIST_NUM_LOCAL_REPLICAS"])
+        instances = int(os.environ["POPDIST_NUM_INSTANCES"])
+    except (KeyError, ValueError):
+        return
+    if replication_factor != local:
+        warn_once(
+            f"poprun started {instances} instances of {local} replica(s) "
+            f"each, but the model's replicationFactor is "
+            f"{replication_factor}: the run trains "
+            f"{replication_factor * instances} replicas. "
+            "popdist.poptorch.Options() sets the instance's replicas "
+            "(popdist.getNumLocalReplicas()).")
