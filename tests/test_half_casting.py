@@ -220,6 +220,36 @@ def test_batch_norm_keeps_float32_running_statistics():
                                atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("norm, training", [
+    (torch.nn.BatchNorm2d(3), False), (torch.nn.BatchNorm2d(3), True),
+    (torch.nn.InstanceNorm2d(3, affine=True), False)])
+def test_replicas_normalise_float16_inputs_with_float32_weights(norm,
+                                                                 training):
+    """Two replicas of an inference model whose float32 normalisation
+    (BatchNorm in evaluation or training mode, InstanceNorm) meets a
+    float16 input: float16 outputs equal to PyTorch's on each replica's
+    half of the batch, within a float16 rounding unit (vmap's own rules
+    failed for BatchNorm and returned float32 for InstanceNorm)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), norm)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        if isinstance(norm, torch.nn.BatchNorm2d):
+            norm.running_mean.uniform_(-1, 1)
+            norm.running_var.uniform_(0.5, 2)
+    net.train(training)
+    x = torch.randn(4, 2, 5, 5).half()
+    halves = {name: value.half() for name, value in
+              net[0].named_parameters(prefix="0")}
+    expected = torch.cat([torch.func.functional_call(net, halves, (part,))
+                          for part in x.split(2)])
+    model = poptorch.inferenceModel(copy.deepcopy(net),
+                                    _half_options(replicationFactor=2))
+    out = model(x)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=2e-3)
+
+
 class Conversions(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -193,13 +193,23 @@ batch_norm_training.register_vmap(_vmap_rule)
 
 class _RouteBatchNorm(TorchFunctionMode):
     """``F.batch_norm`` in training mode -> ``poptorch::batch_norm_training``
-    (the running statistics written back in place, as batch norm does)."""
+    (the running statistics written back in place, as batch norm does).
+    A float16 or bfloat16 input with float32 statistics (the half/float
+    rule leaves normalisations as PyTorch runs them), which vmap's rules
+    for batch and instance norm mishandle: in evaluation mode it is
+    normalised in the statistics' dtype (``_evaluated_in``), and instance
+    norm's output gets the input's dtype, as PyTorch's kernels give."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.nn.functional.instance_norm:
+            return func(*args, **kwargs).to(_input_of(args, kwargs).dtype)
         if func is not torch.nn.functional.batch_norm:
             return func(*args, **kwargs)
         bound = batch_norm_arguments(*args, **kwargs)
+        if not bound["training"] and bound["running_mean"] is not None and \
+                bound["running_mean"].dtype != bound["input"].dtype:
+            return _evaluated_in(bound["running_mean"].dtype, bound)
         if not bound["training"] or isinstance(bound["momentum"],
                                                CumulativeMomentum):
             # Momentum None: ``CumulativeAverage`` (below) updates the
@@ -215,6 +225,24 @@ class _RouteBatchNorm(TorchFunctionMode):
             if tensor is not None:
                 tensor.copy_(value)
         return out
+
+
+def _input_of(args, kwargs) -> Tensor:
+    return args[0] if args else kwargs["input"]
+
+
+def _evaluated_in(dtype: torch.dtype, bound: dict) -> Tensor:
+    """Batch norm with running statistics, computed in ``dtype`` and
+    returned in the input's dtype."""
+    x = bound["input"]
+    invstd = torch.rsqrt(bound["running_var"] + bound["eps"])
+    scale = invstd if bound["weight"] is None else bound["weight"] * invstd
+    shift = -bound["running_mean"] * scale
+    if bound["bias"] is not None:
+        shift = shift + bound["bias"]
+    channels = (-1,) + (1,) * (x.dim() - 2)
+    return (x.to(dtype) * scale.view(channels)
+            + shift.view(channels)).to(x.dtype)
 
 
 @contextlib.contextmanager

@@ -339,7 +339,8 @@ class ReplicaExecution:
             params, inputs, param_dims, input_dims = self._per_replica(
                 params, inputs, None)
             dims = (param_dims, self._written_dims(num_buffers), input_dims)
-            with batched_attention(), refused_in_vmap(training=False):
+            with per_replica_statistics(), batched_attention(), \
+                    refused_in_vmap(training=False):
                 new_buffers, outputs = torch.func.vmap(
                     micro, in_dims=dims, randomness="different")(
                         params, buffers, inputs)
