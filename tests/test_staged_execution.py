@@ -484,6 +484,40 @@ def test_no_grad_code_in_forward_is_not_differentiated(make_strategy,
     assert_same_weights(net.teacher, teacher)
 
 
+class WrittenAcrossStages(torch.nn.Module):
+    """Block "b" starts with an in-place ReLU of block "a"'s activation;
+    block "c" updates the frozen key encoder that block "a" reads, in
+    place under ``torch.no_grad()`` (a momentum encoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.key = torch.nn.Linear(4, 8).requires_grad_(False)
+        self.fc2 = torch.nn.Linear(8, 8)
+        self.fc3 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            h = self.fc1(x) + self.key(x)
+        with poptorch.Block("b", ipu_id=1):
+            h = self.fc2(h.relu_())
+        with poptorch.Block("c", ipu_id=2):
+            out = self.fc3(h)
+            with torch.no_grad():
+                self.key.weight.mul_(0.5).add_(0.5 * self.fc1.weight)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@parametrize_strategies(ANY_BLOCKS)
+def test_in_place_writes_of_activations_and_weights_of_other_stages(
+        make_strategy):
+    """The pipeline's dry run for shapes wrote the key encoder once more
+    (every later micro-batch read a weight one update ahead), and the
+    in-place ReLU of a received activation failed."""
+    torch.manual_seed(0)
+    train_crossing(WrittenAcrossStages(), make_strategy)
+
+
 @parametrize_strategies(ANY_BLOCKS)
 def test_integer_activations_pass_between_stages(make_strategy):
     """Indices made by one stage and used by the next (the pipeline's shape

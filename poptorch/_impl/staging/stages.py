@@ -362,6 +362,8 @@ class StageModule(torch.nn.Module):
                                 if first_input + i in self.part.sources]
         self._carried_statistics = no_grad_regions.statistics_inputs(
             self.part.module.graph)
+        self._written_positions = frozenset(
+            written_placeholders(self.part.module.graph))
         for i in self.part.sources:
             if i < staged.num_params and \
                     isinstance(state.params[i], torch.nn.Parameter):
@@ -386,7 +388,8 @@ class StageModule(torch.nn.Module):
         differentiable = self.training_stage and torch.is_grad_enabled()
         if differentiable:
             carried = tuple(_as_differentiable_leaf(t) for t in carried)
-        if self.skip_effects_once:
+        dry_run = self.skip_effects_once
+        if dry_run:
             _zero_in_place(carried)
             inputs = {name: tensor.clone() for name, tensor in inputs.items()}
         written = {name: inputs[name] for name in self._written_inputs}
@@ -396,6 +399,8 @@ class StageModule(torch.nn.Module):
                         else t for position, t in enumerate(carried)]
         stage_inputs += [self._source(i, buffers, inputs)
                          for i in self.part.sources]
+        stage_inputs = self._copies_to_write(stage_inputs, len(carried),
+                                             dry_run)
         if self.segments:
             result = self._run_segments(stage_inputs)
         else:
@@ -415,6 +420,17 @@ class StageModule(torch.nn.Module):
             return passed
         return tuple(own[-(self.staged.num_outputs +
                            int(self.staged.has_loss)):])
+
+    def _copies_to_write(self, stage_inputs: List[torch.Tensor],
+                         carried: int, dry_run: bool) -> List[torch.Tensor]:
+        """Copies of the inputs the stage writes in place: of activations
+        from the stage before (leaves of its backward pass, which autograd
+        does not let be written: the copy passes their gradient on) and, in
+        the dry run, of everything (a frozen weight the stage updates, as a
+        momentum encoder is, must be written once per micro-batch)."""
+        return [value.clone() if position in self._written_positions and
+                (dry_run or position < carried) else value
+                for position, value in enumerate(stage_inputs)]
 
     def _apply_effects(self, own: List[torch.Tensor],
                        buffers: List[torch.Tensor]) -> None:
