@@ -16,6 +16,7 @@ slow; G = 1 runs by default.
 import copy
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -689,6 +690,28 @@ def test_changing_a_constant_attribute_is_an_error(mlp, change, name):
     with pytest.raises(poptorch.Error, match=name):
         model.setOptimizer(optimizer)
     assert_snapshot_equal(model, before)
+
+
+@pytest.mark.parametrize("make, change, message", [
+    (lambda params: P.SGD(params, lr=0.1, momentum=0.5, nesterov=False),
+     lambda o: o.param_groups[0].update(nesterov=True),
+     "setOptimizer: nesterov, which choose(s) the update rule"),
+    (lambda params: P.RMSprop(params, lr=0.1, centered=False),
+     lambda o: o.param_groups[0].update(centered=True),
+     "setOptimizer: centered, which choose(s) the update rule"),
+    (lambda params: P.Adam(params, lr=0.1),
+     lambda o: setattr(o, "loss_scaling", 4.0),
+     "compile-time constant(s) loss_scaling changed"),
+])
+def test_a_changed_setting_is_named_once(mlp, make, change, message):
+    """Settings given to the constructor that choose the update rule
+    (nesterov, centered) are named, as constants are, and named once."""
+    optimizer = make(mlp.parameters())
+    model = poptorch.trainingModel(mlp, options(2), optimizer)
+    run_calls(model, 0, 1, rows=4)
+    change(optimizer)
+    with pytest.raises(poptorch.Error, match=re.escape(message)):
+        model.setOptimizer(optimizer)
 
 
 def test_another_optimizer_family_is_an_error_naming_both(mlp):

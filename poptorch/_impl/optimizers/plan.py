@@ -292,6 +292,19 @@ def _check_sgd_momentum_kept(old: OptimizerPlan,
                 "again.")
 
 
+def _rule_settings_changed(old: OptimizerPlan, new: OptimizerPlan
+                           ) -> List[str]:
+    """The names of the update rules' settings (``nesterov``,
+    ``centered``...) that differ between the groups of ``old`` and
+    ``new``."""
+    names = set()
+    for before, after in zip(old.groups, new.groups):
+        was, now = dict(before.rule.constants), dict(after.rule.constants)
+        names |= {name for name in was.keys() | now.keys()
+                  if was.get(name) != now.get(name)}
+    return sorted(names)
+
+
 def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
     """``setOptimizer``: raise unless ``new`` differs from ``old`` in
     variable values only."""
@@ -314,7 +327,8 @@ def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
                      if old.constant_attrs.get(name) !=
                      new.constant_attrs.get(name))
     changed += [name for name in ("loss_scaling", "max_grad_norm")
-                if name not in old.variable_globals | new.variable_globals
+                if name not in changed
+                and name not in old.variable_globals | new.variable_globals
                 and getattr(old, name) != getattr(new, name)]
     if changed:
         detail = f"the compile-time constant(s) {', '.join(changed)}"
@@ -324,7 +338,11 @@ def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
                   f"{sorted(new.variable_globals)})")
     elif old.structure() != new.structure():
         _check_sgd_momentum_kept(old, new)
-        detail = "the optimizer type or its parameter groups"
+        rule_settings = _rule_settings_changed(old, new)
+        detail = (f"{', '.join(rule_settings)}, which choose(s) the update "
+                  "rule compiled into the step even when given to the "
+                  "constructor," if rule_settings else
+                  "the optimizer type or its parameter groups")
     else:
         return
     raise Error(f"setOptimizer: {detail} changed after the model was "
