@@ -424,13 +424,15 @@ class StageModule(torch.nn.Module):
     def _copies_to_write(self, stage_inputs: List[torch.Tensor],
                          carried: int, dry_run: bool) -> List[torch.Tensor]:
         """Copies of the inputs the stage writes in place: of activations
-        from the stage before (leaves of its backward pass, which autograd
-        does not let be written: the copy passes their gradient on) and, in
-        the dry run, of everything (a frozen weight the stage updates, as a
-        momentum encoder is, must be written once per micro-batch)."""
+        from the stage before that have gradients (leaves of its backward
+        pass, which autograd does not let be written: the copy passes their
+        gradient on; running statistics carried from an earlier stage stay
+        shared with it) and, in the dry run, of everything (a frozen weight
+        the stage updates, as a momentum encoder is, must be written once
+        per micro-batch)."""
         return [value.clone() if position in self._written_positions and
-                (dry_run or position < carried) else value
-                for position, value in enumerate(stage_inputs)]
+                (dry_run or (position < carried and value.requires_grad))
+                else value for position, value in enumerate(stage_inputs)]
 
     def _apply_effects(self, own: List[torch.Tensor],
                        buffers: List[torch.Tensor]) -> None:
