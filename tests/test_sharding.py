@@ -305,9 +305,12 @@ def two_processes(tmp_path_factory):
 
 
 def _assert_state_dicts_close(got, want):
-    """Optimizer state dicts with the same keys, values within atol 1e-6,
-    rtol 1e-5 (torch's part, and the "poptorch" entry of poptorch.optim
-    optimizers)."""
+    """Optimizer state dicts with the same keys, values within rtol 1e-5
+    and an atol of 1e-6 times the tensor's largest magnitude (at least 1):
+    a reduce-scatter sums in another order than an all-reduce, and a small
+    entry of a state whose entries reach 10 (RMSprop's momentum buffer)
+    differs by that order's rounding of the large ones (torch's part, and
+    the "poptorch" entry of poptorch.optim optimizers)."""
     assert got["param_groups"] == want["param_groups"]
     assert got.keys() == want.keys()
     pairs = [(got["state"], want["state"])]
@@ -321,8 +324,10 @@ def _assert_state_dicts_close(got, want):
         for index, entry in mine.items():
             assert entry.keys() == theirs[index].keys()
             for name, value in entry.items():
+                scale = max(1.0, theirs[index][name].abs().max().item()) \
+                    if theirs[index][name].is_floating_point() else 1.0
                 torch.testing.assert_close(value, theirs[index][name],
-                                           atol=1e-6, rtol=1e-5)
+                                           atol=1e-6 * scale, rtol=1e-5)
 
 
 def _assert_same_training(sharded, unsharded, weights=False):
