@@ -457,6 +457,63 @@ def test_training_models_of_modules_sharing_sub_modules_see_each_other():
     assert_same_weights(discriminator, plain_discriminator)
 
 
+class _Head(torch.nn.Module):
+    """A classifier head over a body that other heads share."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        out = self.fc(torch.relu(self.body(x)))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _two_heads():
+    torch.manual_seed(0)
+    body = torch.nn.Linear(4, 8)
+    heads = (_Head(body), _Head(body))
+    plain = copy.deepcopy(heads)
+    models = [poptorch.trainingModel(head, options(), torch.optim.SGD(
+        head.parameters(), lr=0.1)) for head in heads]
+    optimizers = [torch.optim.SGD(head.parameters(), lr=0.1)
+                  for head in plain]
+    return heads, plain, models, optimizers
+
+
+def _step_both(model, plain, optimizer, x, y):
+    loss = model(x, y)[1]
+    optimizer.zero_grad()
+    expected = plain(x, y)[1]
+    expected.backward()
+    optimizer.step()
+    torch.testing.assert_close(loss, expected.detach())
+
+
+@pytest.mark.parametrize("event", ["destroy", "load_state_dict"])
+def test_a_shared_body_follows_destroy_and_load_state_dict_of_another_head(
+        event):
+    """Two heads share a body. Head 0's last training reaches head 1
+    after head 0 is destroyed (it was taken for a host edit and not
+    loaded); a checkpoint loaded into head 0 after head 1 trained the body
+    is what head 1 trains on next (head 1's device copy came back over
+    it)."""
+    heads, plain, models, optimizers = _two_heads()
+    x, y = make_data(4, seed=0)
+    checkpoint = copy.deepcopy(heads[0].state_dict())
+    _step_both(models[1], plain[1], optimizers[1], x, y)
+    if event == "destroy":
+        _step_both(models[0], plain[0], optimizers[0], x, y)
+        models[0].destroy()
+    else:
+        heads[0].load_state_dict(checkpoint)
+        plain[0].load_state_dict(checkpoint)
+    _step_both(models[1], plain[1], optimizers[1], x, y)
+    models[1].copyWeightsToHost()
+    assert_same_weights(heads[1], plain[1])
+
+
 def _sgd_step(module, x, y, lr=0.5):
     """One plain PyTorch SGD step of ``module`` on (x, y)."""
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)

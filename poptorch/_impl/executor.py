@@ -572,6 +572,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             if self._training:
                 self._compiled.training.optimizer_state.keep_on_optimizer(
                     self._optimizer)
+                weight_sync.written_for_sharing_modules(self._module,
+                                                        self._sync)
             grouping.mark_compiled(self._module, False)
         if self._registered:
             self._sync.unregister(self)

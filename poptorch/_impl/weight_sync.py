@@ -17,7 +17,8 @@ Writes to the host copy that the module sees make it the newer copy: its
 attribute, and ``register_buffer`` / ``register_parameter``, first bring
 trained weights back (so that what the write leaves alone is current and is
 not overwritten later), then count a new version that every model of the
-module loads before its next call. Assigning a parameter or sub-module, or
+module loads before its next call; ``load_state_dict`` does so for the
+models of every wrapped module holding one of the sub-modules it writes. Assigning a parameter or sub-module, or
 registering a new name, also changes the module's structure, which a
 compiled model cannot follow (``structure``).
 
@@ -26,7 +27,10 @@ and discriminator loss both hold the generator and the discriminator).
 ``SharedTensors`` keeps a record of every compiled model's parameters and
 buffers and of the training calls: before a call, a model that shares a
 tensor with another model trained since its last call gets the newer
-weights, through the host (``stale_sources``).
+weights, through the host (``stale_sources``). A training model that is
+destroyed takes its record away after its last download, so the models of
+the modules sharing its sub-modules count that download as a host write
+(``written_for_sharing_modules``).
 """
 import contextlib
 import copyreg
@@ -202,6 +206,19 @@ def _hookable(module: torch.nn.Module) -> List[torch.nn.Module]:
                 and not parametrize.is_parametrized(sub)]
 
 
+def written_for_sharing_modules(module: torch.nn.Module,
+                                own: ModuleSync) -> None:
+    """The host copy of ``module``'s tensors was written by ``own``'s
+    training model as it stopped keeping a record of them (its last
+    download, in ``destroy()``): the models of other wrapped modules that
+    share sub-modules with it load the host copy before their next call."""
+    syncs = {id(sync): sync for sub in _hookable(module)
+             for sync in sub.__dict__.get(_SYNCS_ATTRIBUTE, ())
+             if sync is not own}
+    for sync in syncs.values():
+        sync.host_written(structural=False)
+
+
 def sync_of(module: torch.nn.Module) -> Optional[ModuleSync]:
     return module.__dict__.get(_SYNC_ATTRIBUTE)
 
@@ -276,6 +293,17 @@ def _before_read(module: torch.nn.Module) -> None:
         sync.bring_host_up_to_date()
 
 
+def _syncs_within(module: torch.nn.Module) -> List[ModuleSync]:
+    """The syncs of ``module`` and of its sub-modules, once each: a
+    ``load_state_dict`` writes sub-modules that other wrapped modules may
+    share (a GAN's generator)."""
+    syncs = {}
+    for sub in _hookable(module):
+        for sync in sub.__dict__.get(_SYNCS_ATTRIBUTE, ()):
+            syncs.setdefault(id(sync), sync)
+    return list(syncs.values())
+
+
 def _reading(method):
     def hooked(self, *args, **kwargs):
         _before_read(self)
@@ -294,9 +322,11 @@ def _writing(method, table: Optional[str] = None):
     def hooked(self, *args, **kwargs):
         if _suspended[0]:
             return method(self, *args, **kwargs)
+        if table is None:
+            return _load_into(self, method, args, kwargs)
         _before_read(self)
         name = args[0] if args else kwargs.get("name")
-        new = table is not None and name not in self.__dict__[table]
+        new = name not in self.__dict__[table]
         result = method(self, *args, **kwargs)
         _after_write(self, structural=new)
         return result
@@ -304,6 +334,19 @@ def _writing(method, table: Optional[str] = None):
     hooked.__name__ = method.__name__
     hooked.__doc__ = method.__doc__
     return hooked
+
+
+def _load_into(module: torch.nn.Module, method, args, kwargs):
+    """``load_state_dict``: every model of the module or of a module
+    sharing one of its sub-modules brings its trained weights back first
+    and loads the host copy before its next call."""
+    syncs = _syncs_within(module)
+    for sync in syncs:
+        sync.bring_host_up_to_date()
+    result = method(module, *args, **kwargs)
+    for sync in syncs:
+        sync.host_written(structural=False)
+    return result
 
 
 def _after_write(module: torch.nn.Module, structural: bool) -> None:
