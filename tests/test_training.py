@@ -183,6 +183,41 @@ def test_parameters_without_grad_are_not_updated(mlp, twin):
     assert not mlp.fc1.weight.requires_grad
 
 
+def test_a_learning_rate_set_after_freezing_a_compiled_layer_applies(
+        mlp, twin):
+    """Fine-tuning: a layer frozen after the model compiled keeps training
+    until destroy() (the compiled step's parameters, as documented), and a
+    learning rate changed through setOptimizer applies to all of them
+    (the frozen layer made the parameter groups look changed)."""
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1, momentum=0.9)
+    model = poptorch.trainingModel(mlp, options(), optimizer)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    for call in range(2):
+        inputs = make_data(4, seed=call)
+        model(*inputs)
+        reference_training(twin, reference, inputs)
+        if call == 0:
+            mlp.fc1.requires_grad_(False)
+            for group in optimizer.param_groups + reference.param_groups:
+                group["lr"] = 0.01
+            model.setOptimizer(optimizer)
+    assert_same_weights(mlp, twin)
+
+
+def test_a_state_dict_loaded_through_a_destroyed_model_trains_next(mlp,
+                                                                    twin):
+    model = poptorch.trainingModel(mlp, options(), torch.optim.SGD(
+        mlp.parameters(), lr=0.1))
+    model(*make_data(4, seed=0))
+    model.destroy()
+    model.load_state_dict(twin.state_dict())
+    inputs = make_data(4, seed=1)
+    model(*inputs)
+    reference_training(twin, torch.optim.SGD(twin.parameters(), lr=0.1),
+                       inputs)
+    assert_same_weights(mlp, twin)
+
+
 def test_parameters_frozen_between_wrapping_and_first_call_stay_frozen(
         mlp, twin):
     """The model compiles on its first call and reads requires_grad then,

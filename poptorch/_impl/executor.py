@@ -478,7 +478,10 @@ class PoplarExecutor(CompiledExecutionMethods):
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True):
         """Load ``state_dict`` into the wrapped module and send the weights
-        to the device."""
+        to the device (after ``destroy()``, only into the module, which the
+        next call compiles from)."""
+        if self._destroyed:
+            return self._module.load_state_dict(state_dict, strict)
         self.copyWeightsToHostIfNeeded()
         result = self._module.load_state_dict(state_dict, strict)
         self.copyWeightsToDevice()
@@ -503,7 +506,9 @@ class PoplarExecutor(CompiledExecutionMethods):
             raise Error("setOptimizer can only be called on a training model")
         report_unexpected_attributes(
             optimizer, self._options.relax_optimizer_attributes_checks)
-        plan = plan_optimizer(optimizer, _host_params(self._module))
+        plan = plan_optimizer(
+            optimizer, _host_params(self._module),
+            None if self._compiled is None else self._plan.trained())
         brought = None
         if self._compiled is not None:
             check_same_structure(self._plan, plan)
