@@ -266,6 +266,22 @@ class _Noise(torch.nn.Module):
         return x + torch.rand_like(x)
 
 
+class _LegacyNoise(torch.nn.Module):
+    def forward(self, x):
+        return x.new(x.size()).normal_(), x.new(x.shape).fill_(1.0)
+
+
+def test_new_with_a_size_makes_a_tensor_of_that_shape():
+    """``x.new(x.size())`` (an old VAE tutorial's noise) is a tensor of
+    x's shape, as in PyTorch: the capture rebuilt the torch.Size as a
+    tuple, which ``new`` read as data (one row of noise for every
+    sample)."""
+    noise, ones = poptorch.inferenceModel(_LegacyNoise())(torch.zeros(6, 2))
+    assert noise.shape == ones.shape == (6, 2)
+    assert not torch.equal(noise[0], noise[1])
+    assert torch.equal(ones, torch.ones(6, 2))
+
+
 def test_without_seed_models_follow_the_host_seed_and_leave_its_generator():
     """Without randomSeed a model's numbers follow torch.manual_seed, and
     the host program then draws what it would without poptorch (a

@@ -150,8 +150,11 @@ class GraphConstants(TorchFunctionMode):
         if target is not None and _is_real(target):
             self._copy(target, target.device if self._device is None
                        else self._device, written=True)
-        args, kwargs = pytree.tree_map_only(torch.Tensor, self._read,
-                                            (args, kwargs))
+        # torch.Size stays itself: pytree would rebuild it as a tuple,
+        # which x.new(size) reads as data.
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, self._read, (args, kwargs),
+            is_leaf=lambda value: isinstance(value, torch.Size))
         return func(*args, **kwargs)
 
     def _read(self, tensor: torch.Tensor) -> torch.Tensor:
