@@ -58,7 +58,10 @@ def _draws_random_numbers(func) -> bool:
 
 class _Draws(TorchDispatchMode):
     """Records the results of random operations, or hands them back in the
-    order recorded (an in-place one writes the recorded value)."""
+    order recorded. An operation that writes tensors (``bernoulli_``,
+    ``normal(..., out=)``, rrelu's noise) has what it wrote recorded and
+    written again; its result is the written tensor it returns, or the
+    recorded one."""
 
     def __init__(self, values: List[object], replay: bool) -> None:
         super().__init__()
@@ -69,16 +72,33 @@ class _Draws(TorchDispatchMode):
         kwargs = kwargs or {}
         if not _draws_random_numbers(func):
             return func(*args, **kwargs)
-        mutable = func._schema.is_mutable
+        written = _written_tensors(func, args, kwargs)
         if self._replay and self._values:
-            value = self._values.pop(0)
-            if mutable:
-                return args[0].copy_(value)
-            return value
+            result, values = self._values.pop(0)
+            for tensor, value in zip(written, values):
+                tensor.copy_(value)
+            return written[result] if isinstance(result, int) else result
         result = func(*args, **kwargs)
         if not self._replay:
-            self._values.append(result.clone() if mutable else result)
+            returned = next((index for index, tensor in enumerate(written)
+                             if result is tensor), result)
+            self._values.append(
+                (returned, [tensor.clone() for tensor in written]))
         return result
+
+
+def _written_tensors(func, args, kwargs) -> List[torch.Tensor]:
+    """The tensor arguments the operator's schema marks as written
+    (``Tensor(a!)``)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        value = (args[index] if index < len(args)
+                 else kwargs.get(argument.name))
+        if argument.alias_info is not None and \
+                argument.alias_info.is_write and \
+                isinstance(value, torch.Tensor):
+            written.append(value)
+    return written
 
 
 def _forward_recorded(inner, draws: _RandomDraws):
