@@ -283,6 +283,25 @@ def test_new_with_a_size_makes_a_tensor_of_that_shape():
     assert torch.equal(ones, torch.ones(6, 2))
 
 
+@pytest.mark.parametrize("value, described", [
+    ([1, 2, 3], "a list of 3 items"), (None, "NoneType None"),
+    ("abc", "str 'abc'")])
+def test_a_bad_rng_state_is_refused_before_it_is_taken(value, described):
+    model = poptorch.inferenceModel(_Noise(),
+                                    poptorch.Options().randomSeed(5))
+    x = torch.zeros(4, 3)
+    model(x)
+    state = model.rng_state
+    with pytest.raises(poptorch.Error,
+                       match=f"rng_state must be a list of {len(state)} "
+                             f"integers.*got {described}"):
+        model.rng_state = value
+    assert model.rng_state == state
+    following = model(x)
+    model.rng_state = state
+    assert torch.equal(model(x), following)
+
+
 def test_without_seed_models_follow_the_host_seed_and_leave_its_generator():
     """Without randomSeed a model's numbers follow torch.manual_seed, and
     the host program then draws what it would without poptorch (a

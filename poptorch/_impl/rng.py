@@ -15,6 +15,8 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from ..errors import Error
+
 
 def _get_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
@@ -63,5 +65,22 @@ class ModelRng:
         return [self.seed] + self.state.tolist()
 
     def load_list(self, values: List[int]) -> None:
-        self.seed = int(values[0])
+        """Take the seed and state of ``as_list``; ``poptorch.Error``,
+        before anything changes, for anything else."""
+        expected = 1 + self.state.numel()
+        if not isinstance(values, (list, tuple)) or len(values) != expected \
+                or not all(isinstance(v, int) and not isinstance(v, bool)
+                           for v in values) \
+                or not all(0 <= v < 256 for v in values[1:]):
+            raise Error(
+                f"rng_state must be a list of {expected} integers, as "
+                "model.rng_state returns it (the seed, then the generator's "
+                f"state bytes, 0 to 255); got {_described(values)}")
+        self.seed = values[0]
         self.state = torch.tensor(values[1:], dtype=torch.uint8)
+
+
+def _described(values) -> str:
+    if isinstance(values, (list, tuple)):
+        return f"a {type(values).__name__} of {len(values)} items"
+    return f"{type(values).__name__} {values!r:.40}"
