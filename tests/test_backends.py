@@ -105,6 +105,47 @@ def test_inductor_training_matches_plain_pytorch():
     assert type(step).__name__ == "InductorStep"
 
 
+class _ReturnsItsDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 12)
+        self.out = torch.nn.Linear(12, 1)
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        dropped = torch.nn.functional.dropout(h, 0.4, training=True)
+        loss = torch.nn.functional.mse_loss(self.out(torch.tanh(dropped)), y)
+        return h, dropped, loss
+
+
+@pytest.mark.slow
+def test_inductor_dropout_of_replicas_with_accumulation():
+    """G = 2, R = 2, forward returning a tensor and its dropout: each
+    micro-batch's dropout keeps about 60 % of the elements, and the update
+    is plain PyTorch's with those masks (Inductor returned all zeros, from
+    bernoulli of an expanded empty tensor, and trained on other masks)."""
+    torch.manual_seed(0)
+    net = _ReturnsItsDropout()
+    twin = copy.deepcopy(net)
+    opts = options(accumulation=2, replicas=2, randomSeed=1,
+                   outputMode=poptorch.OutputMode.All, setBackend="inductor")
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    x, y = torch.randn(20, 6), torch.randn(20, 1)
+    h, dropped, _ = model(x, y)
+    masks = (dropped != 0).float()
+    for kept in masks.unflatten(0, (4, 5)).mean((1, 2)):
+        assert 0.3 < kept < 0.9
+    torch.testing.assert_close(dropped, h * masks / 0.6)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for rows in range(0, 20, 5):
+        part = slice(rows, rows + 5)
+        out = twin.out(torch.tanh(twin.fc(x[part]) * masks[part] / 0.6))
+        (torch.nn.functional.mse_loss(out, y[part]) / 4).backward()
+    reference.step()
+    assert_same_weights(net, twin)
+
+
 @pytest.mark.slow
 def test_inductor_keeps_writes_to_inputs():
     _inference_writes_input("inductor")
