@@ -13,8 +13,9 @@ variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``POPDIST_NUM_IPUS_PER_REPLICA``), which ``popdist`` and
 ``popdist.poptorch.Options`` read; a training model whose
 ``replicationFactor`` is not the instance's share of ``--num-replicas``
-(plain ``poptorch.Options()`` keeps 1) is warned of once. ``OMP_NUM_THREADS`` defaults to 1 when
-one host runs several instances, as with torchrun.
+(plain ``poptorch.Options()`` keeps 1) is warned of once.
+``OMP_NUM_THREADS`` defaults to 1 when one host runs several instances, as
+with torchrun.
 
 With more instances than replicas, each replica's ``--ipus-per-replica``
 IPUs spread over ``num-instances / num-replicas`` consecutive instances:

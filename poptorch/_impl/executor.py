@@ -508,7 +508,7 @@ class PoplarExecutor(CompiledExecutionMethods):
             optimizer, self._options.relax_optimizer_attributes_checks)
         plan = plan_optimizer(
             optimizer, _host_params(self._module),
-            None if self._compiled is None else self._plan.trained())
+            None if self._compiled is None else self._trainable)
         brought = None
         if self._compiled is not None:
             check_same_structure(self._plan, plan)

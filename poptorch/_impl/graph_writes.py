@@ -40,14 +40,14 @@ def _undeclared_writes(node: Node) -> List[Node]:
             if isinstance(node.args[p], Node)]
 
 
-def _schema_arguments(node: Node):
-    """(argument schema, value) pairs of an operator call node."""
-    schema = node.target._schema
+def schema_arguments(schema, args, kwargs):
+    """(argument schema, value) pairs of an operator call with ``args`` and
+    ``kwargs`` (a graph node's, or a dispatched call's)."""
     for index, argument in enumerate(schema.arguments):
-        if index < len(node.args):
-            yield argument, node.args[index]
-        elif argument.name in node.kwargs:
-            yield argument, node.kwargs[argument.name]
+        if index < len(args):
+            yield argument, args[index]
+        elif argument.name in kwargs:
+            yield argument, kwargs[argument.name]
 
 
 def _nodes_in(value) -> List[Node]:
@@ -58,7 +58,8 @@ def _nodes_in(value) -> List[Node]:
 def _operator_writes(node: Node) -> Iterator[Tuple[Node, bool, Set[str]]]:
     """(argument node, whether it is written, its alias set names) for the
     arguments of an operator node that its schema aliases."""
-    for argument, value in _schema_arguments(node):
+    for argument, value in schema_arguments(node.target._schema, node.args,
+                                            node.kwargs):
         info = argument.alias_info
         if info is not None:
             for arg_node in _nodes_in(value):

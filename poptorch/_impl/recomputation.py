@@ -30,6 +30,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .graph_writes import schema_arguments
 from .precision import automatic_casting
 
 _GENERATOR = "_checkpoint_without_reentrant_generator"
@@ -90,15 +91,10 @@ class _Draws(TorchDispatchMode):
 def _written_tensors(func, args, kwargs) -> List[torch.Tensor]:
     """The tensor arguments the operator's schema marks as written
     (``Tensor(a!)``)."""
-    written = []
-    for index, argument in enumerate(func._schema.arguments):
-        value = (args[index] if index < len(args)
-                 else kwargs.get(argument.name))
-        if argument.alias_info is not None and \
-                argument.alias_info.is_write and \
-                isinstance(value, torch.Tensor):
-            written.append(value)
-    return written
+    return [value for argument, value
+            in schema_arguments(func._schema, args, kwargs)
+            if argument.alias_info is not None and argument.alias_info.is_write
+            and isinstance(value, torch.Tensor)]
 
 
 def _forward_recorded(inner, draws: _RandomDraws):

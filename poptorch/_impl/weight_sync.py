@@ -18,9 +18,10 @@ attribute, and ``register_buffer`` / ``register_parameter``, first bring
 trained weights back (so that what the write leaves alone is current and is
 not overwritten later), then count a new version that every model of the
 module loads before its next call; ``load_state_dict`` does so for the
-models of every wrapped module holding one of the sub-modules it writes. Assigning a parameter or sub-module, or
-registering a new name, also changes the module's structure, which a
-compiled model cannot follow (``structure``).
+models of every wrapped module holding one of the sub-modules it writes.
+Assigning a parameter or sub-module, or registering a new name, also
+changes the module's structure, which a compiled model cannot follow
+(``structure``).
 
 Models of different modules may share sub-modules (a GAN's generator loss
 and discriminator loss both hold the generator and the discriminator).
@@ -212,11 +213,9 @@ def written_for_sharing_modules(module: torch.nn.Module,
     training model as it stopped keeping a record of them (its last
     download, in ``destroy()``): the models of other wrapped modules that
     share sub-modules with it load the host copy before their next call."""
-    syncs = {id(sync): sync for sub in _hookable(module)
-             for sync in sub.__dict__.get(_SYNCS_ATTRIBUTE, ())
-             if sync is not own}
-    for sync in syncs.values():
-        sync.host_written(structural=False)
+    for sync in _syncs_within(module):
+        if sync is not own:
+            sync.host_written(structural=False)
 
 
 def sync_of(module: torch.nn.Module) -> Optional[ModuleSync]:

@@ -10,11 +10,12 @@ part (``_Distribution`` in ``dataloader.py``).
 Map-style datasets (``DistributedPartitionSampler``): each epoch orders the
 whole dataset (the identity order, or with shuffling the next permutation
 drawn from the sampler's generator, seeded with ``random_seed``, so it is
-the same on every process and different each epoch), cuts it into ``numProcesses`` contiguous
-parts of ``len(dataset) // numProcesses`` samples and hands part ``processId``
-to its process. The ``len(dataset) % numProcesses`` samples left over are not
-used that epoch. Contiguous parts (rather than torch's interleaved
-``DistributedSampler``) keep the samples of a combined batch consecutive.
+the same on every process and different each epoch), cuts it into
+``numProcesses`` contiguous parts of ``len(dataset) // numProcesses``
+samples and hands part ``processId`` to its process. The
+``len(dataset) % numProcesses`` samples left over are not used that epoch.
+Contiguous parts (rather than torch's interleaved ``DistributedSampler``)
+keep the samples of a combined batch consecutive.
 
 Iterable datasets (``ProcessShareIterable``): the stream of samples (each
 torch worker's stream when there are workers) is cut into groups of

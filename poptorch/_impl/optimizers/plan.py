@@ -21,8 +21,8 @@ import dataclasses
 import functools
 import inspect
 import math
-from typing import (AbstractSet, Any, Callable, Dict, FrozenSet, Hashable,
-                    List, Mapping, Optional, Tuple)
+from typing import (Any, Callable, Dict, FrozenSet, Hashable, List, Mapping,
+                    Optional, Sequence, Tuple)
 
 import torch
 
@@ -92,11 +92,6 @@ class OptimizerPlan:
     #: of a poptorch.optim optimizer (runtime inputs of the step).
     variable_globals: FrozenSet[str] = frozenset()
 
-    def trained(self) -> FrozenSet[int]:
-        """The indices of the parameters the plan updates."""
-        return frozenset(index for group in self.groups
-                         for index in group.indices)
-
     def structure(self) -> Hashable:
         """Everything that changes the traced graph: each group's rule and
         constants, indices, hyper and state names; loss scaling and clipping
@@ -120,14 +115,14 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
 
 def plan_optimizer(optimizer: torch.optim.Optimizer,
                    params: List[torch.nn.Parameter],
-                   trainable: Optional[AbstractSet[int]] = None
+                   requires_grad: Optional[Sequence[bool]] = None
                    ) -> OptimizerPlan:
     """Read ``optimizer`` into a plan over ``params`` (the model's parameters).
 
     Params with ``requires_grad=False`` are left out (not updated); with
-    ``trainable`` (the indices of the parameters a compiled step trains,
-    whose ``requires_grad`` changes only take effect after ``destroy()``)
-    those not in it are. Raises
+    ``requires_grad`` (each parameter's flag when a compiled step was
+    traced: a change takes effect after ``destroy()``) those it says.
+    Raises
     ``poptorch.Error`` for an unsupported optimizer class, an optimizer
     parameter that is not in ``params``, a negative or NaN learning rate, or
     invalid PopTorch extra attributes.
@@ -140,7 +135,7 @@ def plan_optimizer(optimizer: torch.optim.Optimizer,
     groups = []
     for group_index, group in enumerate(optimizer.param_groups):
         indices = _trainable_indices(group, group_index, positions,
-                                     trainable)
+                                     requires_grad)
         _check_learning_rate(group, group_index)
         if indices:
             rule = rule_for_group(group)
@@ -180,7 +175,7 @@ def _overrides_step(optimizer_class: type, base: type) -> bool:
 
 def _trainable_indices(group: Mapping[str, Any], group_index: int,
                        positions: Dict[int, int],
-                       trainable: Optional[AbstractSet[int]]
+                       requires_grad: Optional[Sequence[bool]]
                        ) -> Tuple[int, ...]:
     indices = []
     for position, param in enumerate(group["params"]):
@@ -190,7 +185,8 @@ def _trainable_indices(group: Mapping[str, Any], group_index: int,
                         f"the optimizer's param group {group_index} is not a "
                         f"parameter of the model: the optimizer must be built "
                         f"from the wrapped model's parameters")
-        if param.requires_grad if trainable is None else index in trainable:
+        if param.requires_grad if requires_grad is None \
+                else requires_grad[index]:
             indices.append(index)
     return tuple(indices)
 

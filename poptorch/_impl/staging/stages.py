@@ -30,11 +30,11 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from ...enums import ReductionType
-from .. import blocks, graph_writes, losses
+from .. import blocks, losses
 from . import no_grad_regions, partition
 from ..capture import (ModelAnalysis, ModelCall, capture_scope, clone_written,
                        split_flat, tensor_outputs, trace_user_code)
-from ..graph_writes import written_placeholders
+from ..graph_writes import roots_and_writes, written_placeholders
 from ..optimizers.gradient_reduction import GradientReduction
 from ..profiling.ranges import profile_range
 from ..replication.grouping import GroupedWeights
@@ -160,7 +160,7 @@ def _buffers_written_later(graph: fx.Graph, parts: Dict[fx.Node, int],
     copy travels to the later stage as an activation, which that stage
     updates. Within a process both stages hold the same tensor; the next
     micro-batch of the earlier stage reads the later stage's write."""
-    root_of, writers = graph_writes.roots_and_writes(graph)
+    root_of, writers = roots_and_writes(graph)
     found = []
     for buffer, value in zip(buffers, written):
         root = root_of.get(value, value)
