@@ -345,6 +345,19 @@ def test_training_capture_reports_the_same_location():
     assert f"line {_line_of('# marker: item')}, in _item" in message
 
 
+def _multi_line_statement(self, h):
+    return h * h.sum().item(  # marker: multi-line
+    )
+
+
+def test_a_multi_line_statement_is_quoted_as_its_first_line_and_dots():
+    message = _capture_error(_multi_line_statement)
+    line = _line_of("# marker: multi-line")
+    assert (f"line {line}, in _multi_line_statement: return h * "
+            "h.sum().item(  # marker: multi-line ..., the model reads"
+            ) in message
+
+
 def test_custom_operator_without_fake_implementation(tmp_path):
     @torch.library.custom_op("poptorch_tests::no_fake", mutates_args=())
     def no_fake(x: torch.Tensor) -> torch.Tensor:

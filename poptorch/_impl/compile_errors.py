@@ -143,6 +143,8 @@ def describe_frame(frame: Optional[traceback.FrameSummary]) -> str:
     text = f"File \"{frame.filename}\", line {frame.lineno}, in {frame.name}"
     if frame.line:
         text += f": {frame.line.strip()}"
+        if (frame.end_lineno or frame.lineno) > frame.lineno:
+            text += " ..."              # the statement's first line only
     return text
 
 
