@@ -283,6 +283,38 @@ def test_new_with_a_size_makes_a_tensor_of_that_shape():
     assert torch.equal(ones, torch.ones(6, 2))
 
 
+class _IntegerNoise(torch.nn.Module):
+    def __init__(self, shifted):
+        super().__init__()
+        self.shifted = shifted
+
+    def forward(self, x):
+        if self.shifted:
+            return x + (torch.empty_like(x, dtype=torch.int64).random_(13)
+                        - 3), torch.zeros(50, dtype=torch.int8).random_(70)
+        return (x + torch.empty_like(x).random_(-3, 10),
+                torch.zeros(50, dtype=torch.int8).random_(-35, to=35) + 35)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_random_between_two_bounds_draws_what_pytorch_draws(replicas):
+    """``random_(from, to)`` (its operator's name is a Python keyword, which
+    torch's graph code could not hold) draws the numbers of
+    ``random_(to - from) + from``, as PyTorch's kernels do."""
+    x = torch.zeros(2 * replicas, 300)
+    opts = poptorch.Options().randomSeed(3).replicationFactor(replicas)
+    bounded, floats = poptorch.inferenceModel(_IntegerNoise(False), opts)(x)
+    shifted, ints = poptorch.inferenceModel(_IntegerNoise(True), opts)(x)
+    assert torch.equal(bounded, shifted) and torch.equal(floats, ints)
+    assert set(bounded.unique().tolist()) == set(range(-3, 10))
+    assert ints.dtype == torch.int8
+    torch.manual_seed(0)
+    eager = torch.empty(4, 5).random_(-3, 10)
+    torch.manual_seed(0)
+    assert torch.equal(eager, torch.empty(4, 5, dtype=torch.int64)
+                       .random_(13).float() - 3)
+
+
 @pytest.mark.parametrize("value, described", [
     ([1, 2, 3], "a list of 3 items"), (None, "NoneType None"),
     ("abc", "str 'abc'")])

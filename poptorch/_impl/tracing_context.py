@@ -32,6 +32,10 @@
   ``poptorch.Error`` naming the line: the graph would hold the generator
   and draw on from its state at each step, where PyTorch draws from
   wherever the program left it (``_ExplicitGenerators``).
+* ``Tensor.random_(from, to)`` runs as ``random_(to - from)`` plus
+  ``from``, which draws the same numbers: the name of its operator,
+  ``aten.random_.from``, is a Python keyword that torch's graph code
+  cannot hold.
 * ``torch.bincount`` with ``minlength`` has ``minlength`` bins and
   ``F.one_hot`` needs ``num_classes`` (``data_dependent_ops.py``).
 * ``nn.Transformer``, ``nn.TransformerEncoder`` and
@@ -230,9 +234,27 @@ def transformers_regular_path() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
+def _random_from_to(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``Tensor.random_(from, to)`` as ``random_(to - from)`` drawn into an
+    int64 tensor plus ``from``, which PyTorch's kernels compute as they
+    compute ``random_(from, to)`` (the draw modulo ``to - from``, plus
+    ``from``): the graph's operation ``aten.random_.from`` has a Python
+    keyword as its name, which torch's graph code cannot hold."""
+    names = ("from", "to")
+    bounds = dict(zip(names, args), **kwargs)
+    if set(bounds) - {*names, "generator"} or len(args) > 2 or \
+            bounds.get("to") is None or "from" not in bounds:
+        return torch.Tensor.random_(tensor, *args, **kwargs)
+    draws = torch.empty_like(tensor, dtype=torch.int64).random_(
+        bounds["to"] - bounds["from"], generator=bounds.get("generator"))
+    with torch.no_grad():
+        return tensor.copy_(draws + bounds["from"])
+
+
 #: Functions that run as another while a model is traced (see the module
 #: documentation).
-_SUBSTITUTES = {F.ctc_loss: ctc_loss, F.gaussian_nll_loss: gaussian_nll_loss}
+_SUBSTITUTES = {F.ctc_loss: ctc_loss, F.gaussian_nll_loss: gaussian_nll_loss,
+                torch.Tensor.random_: _random_from_to}
 
 
 class _Substitutes(TorchFunctionMode):
