@@ -656,6 +656,35 @@ def test_a_buffer_registered_after_compilation_needs_a_new_compilation(
         model(x, y)
 
 
+class _RotaryCache(torch.nn.Module):
+    """A non-persistent buffer assigned by attribute, on the host and (as
+    rotary-embedding caches do) in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        self.cache = self.cache + 1
+        return x * self.cache
+
+
+def test_non_persistent_buffers_are_assigned_as_in_pytorch():
+    """torch checks that register_buffer takes ``persistent`` when such a
+    buffer is assigned; the wrapped module's method hid its signature."""
+    net = _RotaryCache()
+    reference = copy.deepcopy(net)
+    model = poptorch.inferenceModel(net, options(deviceIterations=2))
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(model(x), torch.cat(
+        [reference(part) for part in x.chunk(2)]))
+    net.cache = torch.full((4,), 5.0)
+    reference.cache = torch.full((4,), 5.0)
+    assert "cache" not in net.state_dict()
+    torch.testing.assert_close(model(x), torch.cat(
+        [reference(part) for part in x.chunk(2)]))
+
+
 def test_weight_norm_and_spectral_norm_weights_read_after_training():
     """weight_norm and spectral_norm keep the weight they compute as an
     attribute too: read after training, it is the trained one."""

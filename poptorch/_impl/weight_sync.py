@@ -35,6 +35,7 @@ the modules sharing its sub-modules count that download as a host write
 """
 import contextlib
 import copyreg
+import functools
 import itertools
 import weakref
 from typing import Iterable, Iterator, List, Optional
@@ -304,12 +305,11 @@ def _syncs_within(module: torch.nn.Module) -> List[ModuleSync]:
 
 
 def _reading(method):
+    @functools.wraps(method)
     def hooked(self, *args, **kwargs):
         _before_read(self)
         return method(self, *args, **kwargs)
 
-    hooked.__name__ = method.__name__
-    hooked.__doc__ = method.__doc__
     return hooked
 
 
@@ -317,7 +317,11 @@ def _writing(method, table: Optional[str] = None):
     """``method``, a write to the host copy (``load_state_dict``); with
     ``table``, ``register_buffer`` / ``register_parameter`` into that table
     of the module, which also changes the structure when the name is new
-    (re-pruning registers a new mask under the old name)."""
+    (re-pruning registers a new mask under the old name). The hooked method
+    has ``method``'s signature, which torch inspects (assigning a
+    non-persistent buffer checks that ``register_buffer`` takes
+    ``persistent``)."""
+    @functools.wraps(method)
     def hooked(self, *args, **kwargs):
         if _suspended[0]:
             return method(self, *args, **kwargs)
@@ -330,8 +334,6 @@ def _writing(method, table: Optional[str] = None):
         _after_write(self, structural=new)
         return result
 
-    hooked.__name__ = method.__name__
-    hooked.__doc__ = method.__doc__
     return hooked
 
 
