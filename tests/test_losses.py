@@ -209,6 +209,63 @@ def test_a_loss_computed_under_no_grad_is_a_metric():
     _one_step_like_plain_pytorch(WithMetric)
 
 
+class DetachedMetric(torch.nn.Module):
+    """Values for logging returned beside the loss without gradients: the
+    loss times the number of rows, another loss or the sum of both,
+    detached or computed under no_grad."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.kind = kind
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        ce = torch.nn.functional.cross_entropy(out, y)
+        mse = torch.nn.functional.mse_loss(out, torch.zeros_like(out))
+        if self.kind == "detached-total":
+            return ce.detach() * x.new_tensor(float(len(x))), ce
+        if self.kind == "detached-loss":
+            return mse.detach(), ce
+        if self.kind == "detached-sum":
+            return (ce + mse).detach(), ce
+        with torch.no_grad():
+            total = ce + mse
+        return total, ce
+
+
+@pytest.mark.parametrize("kind", ["detached-total", "detached-loss",
+                                  "detached-sum", "sum-under-no-grad"])
+def test_values_without_gradients_are_metrics_beside_the_loss(kind):
+    """They are neither totals nor final losses: the cross-entropy trains,
+    as ce.backward() does in PyTorch (a detached total was taken as the
+    start of the backward pass and crashed; a detached second loss was an
+    "unrelated final losses" error)."""
+    _one_step_like_plain_pytorch(lambda: DetachedMetric(kind))
+
+
+@pytest.mark.parametrize("loss", [
+    lambda out, x, y: torch.nn.functional.mse_loss(out.detach(),
+                                                   torch.zeros_like(out)),
+    lambda out, x, y: torch.nn.functional.mse_loss(x, x * 0),
+    lambda out, x, y: poptorch.identity_loss((out > 0).sum(), "none")])
+def test_a_loss_without_gradients_is_an_error(loss):
+    """PyTorch's loss.backward() fails on it; it failed inside torch."""
+    class Detached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            return out, loss(out, x, y)
+
+    model = poptorch.trainingModel(Detached(), options())
+    with pytest.raises(poptorch.Error, match="loss .*test_losses.py.* does "
+                       "not require gradients"):
+        model(*make_data(4))
+
+
 def test_a_loss_no_output_uses_is_dead_code():
     """Computed and never used, beside the returned loss: PopTorch's graph
     leaves it out, so it is not a second final loss."""

@@ -2,15 +2,17 @@
 "Losses in training"), found in the analysis trace's graph.
 
 The recorded losses (``losses.py``) that feed no other recorded loss are
-the final losses; of those, the ones that no returned tensor uses are left
-out when another is used. Dependencies follow the graph's edges and its
+the final losses; of those, the ones that no returned tensor with gradients
+uses (dead code, or metrics returned detached) are left out when another
+is used. Dependencies follow the graph's edges and its
 in-place writes (``graph_writes.DataFlow``). The backward pass starts from
 the single-element tensor ``forward`` returns that is the model's total
 loss, as ``total.backward()`` would in PyTorch, when there is one; else
 from the final loss (several unrelated final losses are an error).
 
 A returned single-element tensor computed from every final loss (and not
-a final loss itself) is a total when it brings in more than one final
+a final loss itself, nor a value without gradients: a logged
+``ce.detach() * tokens`` or a sum under ``torch.no_grad()``) is a total when it brings in more than one final
 loss's value: several final losses (``0.3 * ctc + 0.7 * ce``), or terms of
 the model's inputs and weights that do not pass through the final losses
 (``ce + 0.1 * l2``, a VAE's ``recon + kl``, per-sample losses weighted by
@@ -20,7 +22,7 @@ when the final loss itself is not returned and no total is. Of several
 totals, the one computed from all the others starts it; totals of which
 none is are an error, as PyTorch's user would have to choose one.
 """
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import torch
 
@@ -41,12 +43,14 @@ def final_losses(loss_nodes: List[Node], flow: DataFlow) -> List[Node]:
         if not flow.descendants(node) & distinct))
 
 
-def used_losses(finals: List[Node], returned: List[Node],
-                flow: DataFlow) -> List[Node]:
-    """The final losses whose value reaches a returned tensor, when any
-    does: a loss computed and never used (``unused = ce(logits, y)``) is
-    dead code, which PopTorch's traced graph leaves out."""
-    outputs = set(returned)
+def used_losses(finals: List[Node], returned: List[Node], flow: DataFlow,
+                without_gradients: Set[Node]) -> List[Node]:
+    """The final losses whose value reaches a returned tensor that has
+    gradients, when any does: a loss computed and never used
+    (``unused = ce(logits, y)``) is dead code, which PopTorch's traced graph
+    leaves out, and one returned only detached (``mse.detach()``) is a
+    metric. ``without_gradients``: as for ``returned_total``."""
+    outputs = set(returned) - without_gradients
     used = [node for node in finals
             if node in outputs or flow.descendants(node) & outputs]
     return used or finals
@@ -76,13 +80,16 @@ def _last(nodes: List[Node], flow: DataFlow) -> Optional[Node]:
 
 
 def returned_total(returned: List[Node], finals: List[Node],
-                   flow: DataFlow) -> Optional[int]:
+                   flow: DataFlow,
+                   without_gradients: Set[Node]) -> Optional[int]:
     """The index of the returned tensor the backward pass starts from (see
-    the module docstring), or None for the final loss."""
+    the module docstring), or None for the final loss.
+    ``without_gradients``: the returned tensors that do not require
+    gradients though the model trains parameters."""
     computed = list(dict.fromkeys(
         node for node in returned
-        if node not in finals and _single_element(node)
-        and set(finals) <= flow.ancestors(node)))
+        if node not in finals and node not in without_gradients
+        and _single_element(node) and set(finals) <= flow.ancestors(node)))
     totals = [node for node in computed
               if _brings_in_more(node, finals, flow)]
     if totals:

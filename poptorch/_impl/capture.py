@@ -20,7 +20,8 @@ in-place operations on those inputs, so they reach the caller. Nodes carry
 """
 import contextlib
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import (Callable, Dict, Iterator, List, Optional, Sequence,
+                    Set)
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -306,14 +307,19 @@ def _choose_backward_start(analysis: ModelAnalysis,
                            returned: List[torch.fx.Node],
                            loss_nodes: List[torch.fx.Node],
                            places: List[str],
-                           flow: graph_writes.DataFlow) -> torch.fx.Node:
+                           flow: graph_writes.DataFlow,
+                           without_gradients: Set[torch.fx.Node]
+                           ) -> torch.fx.Node:
     """Set where the backward pass starts (a returned total, else the one
     final loss) and return its node. ``places``: the user's line of each
-    recorded loss."""
+    recorded loss; ``without_gradients``: the returned tensors and losses
+    that do not require gradients in a model that trains parameters (an
+    error for the start)."""
     finals = backward_start.used_losses(
-        backward_start.final_losses(loss_nodes, flow), returned, flow)
-    analysis.loss_output = backward_start.returned_total(returned, finals,
-                                                         flow)
+        backward_start.final_losses(loss_nodes, flow), returned, flow,
+        without_gradients)
+    analysis.loss_output = backward_start.returned_total(
+        returned, finals, flow, without_gradients)
     if analysis.loss_output is not None:
         return returned[analysis.loss_output]
     if len(finals) > 1:
@@ -321,6 +327,9 @@ def _choose_backward_start(analysis: ModelAnalysis,
         raise Error(losses.SEVERAL_LOSSES_MESSAGE.format(count=len(finals),
                                                          where=where))
     analysis.final_loss = loss_nodes.index(finals[0])
+    if finals[0] in without_gradients:
+        raise Error(losses.NO_GRADIENT_MESSAGE.format(
+            where=places[analysis.final_loss]))
     return finals[0]
 
 
@@ -351,6 +360,8 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         found["num_losses"] = len(recorder.losses)
         found["places"] = recorder.places
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        found["requires_grad"] = [
+            t.requires_grad for t in tensors + recorder.losses]
         return tensors + recorder.losses
 
     with capture_scope(call.module, training_flags) as block_records, \
@@ -371,9 +382,12 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         blocks=blocks.with_layers_before(block_records, graph.nodes),
         stored_outputs=flow.stored_outputs(outputs[:split_at]))
     if training:
+        without_gradients = {
+            node for node, grad in zip(outputs, found["requires_grad"])
+            if not grad} if any(tracked) else set()
         start = _choose_backward_start(analysis, outputs[:split_at],
                                        outputs[split_at:], found["places"],
-                                       flow)
+                                       flow, without_gradients)
         reaching = flow.ancestors(start)
         analysis.params_reaching_loss = [
             i for i, node in enumerate(_placeholders(graph)[:len(params)])

@@ -122,6 +122,14 @@ SEVERAL_LOSSES_MESSAGE = (
     "can be computed under torch.no_grad(), so that it is not taken for a "
     "training loss.")
 
+NO_GRADIENT_MESSAGE = (
+    "The training model's loss ({where}) does not require gradients: it is "
+    "computed from detached tensors (.detach()), under torch.no_grad(), or "
+    "from no parameter that requires gradients, so PyTorch's "
+    "loss.backward() would fail on it too. Compute the loss from the "
+    "model's outputs without detaching them; to run the model without "
+    "training anything, set requires_grad=False on its parameters.")
+
 SEVERAL_TOTALS_MESSAGE = (
     "The training model returns several single-element values computed "
     "from its loss with further terms (outputs {positions} of its flattened "
