@@ -146,6 +146,47 @@ def test_inductor_dropout_of_replicas_with_accumulation():
     assert_same_weights(net, twin)
 
 
+class _SegmentSums(torch.nn.Module):
+    """Rows summed into three segments chosen by their values, with
+    ``index_put`` into new zeros (accumulating, and writing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        segment = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+        sums = torch.zeros(3, 4).index_put((segment,), h, accumulate=True)
+        last = torch.zeros(3, 4).index_put((segment,), h)
+        return sums, torch.nn.functional.mse_loss(sums + last, y)
+
+
+@pytest.mark.slow
+def test_inductor_index_put_into_new_tensors_of_replicas():
+    """R = 2, G = 2: each replica's sums are its own, and the update is
+    plain PyTorch's (Inductor wrote every replica into the zeros expanded
+    over the replicas, and each returned the sum of both replicas')."""
+    torch.manual_seed(0)
+    net = _SegmentSums()
+    twin = copy.deepcopy(net)
+    opts = options(accumulation=2, replicas=2,
+                   outputMode=poptorch.OutputMode.All, setBackend="inductor")
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(
+        net.parameters(), lr=0.1))
+    x, y = torch.randn(16, 4), torch.randn(12, 4)
+    sums, _ = model(x, y)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    expected = []
+    for part, target in zip(x.chunk(4), y.chunk(4)):
+        part_sums, loss = twin(part, target)
+        expected.append(part_sums.detach())
+        (loss / 4).backward()
+    reference.step()
+    torch.testing.assert_close(sums, torch.cat(expected))
+    assert_same_weights(net, twin)
+
+
 @pytest.mark.slow
 def test_inductor_keeps_writes_to_inputs():
     _inference_writes_input("inductor")

@@ -33,6 +33,7 @@ import torch
 from ...errors import Error
 from ..intra_op_threads import own_threads
 from ..logger import logger
+from . import inductor_passes
 from .backend import Backend, CompiledStep, register
 from .in_place import Donation
 from .vector_isa import remembered_check
@@ -65,7 +66,7 @@ class InductorBackend(Backend):
         """Inductor plans its own buffer reuse: ``donation`` is not used."""
         from torch._inductor import standalone_compile
         graph, constants = _constants_as_inputs(graph)
-        _dense_templates_of_random_operators(graph)
+        inductor_passes.apply(graph)
         with generating_kernels_for(kernel_threads()):
             artifact = standalone_compile(
                 graph, list(example_inputs) + constants,
@@ -80,7 +81,7 @@ class InductorBackend(Backend):
         from torch._inductor import config
         settings = json.dumps({"config": config.save_config_portable(),
                                "kernel threads": kernel_threads(),
-                               "graph passes": _GRAPH_PASSES},
+                               "graph passes": inductor_passes.PASSES},
                               sort_keys=True, default=repr)
         return hashlib.sha256(settings.encode()).hexdigest()
 
@@ -136,52 +137,6 @@ def _constants_as_inputs(graph: torch.fx.GraphModule):
         if node not in values:
             values[node] = lifted.node_copy(node, values.__getitem__)
     return torch.fx.GraphModule(graph, lifted), constants
-
-
-#: What ``compile`` changes in a graph before Inductor compiles it (part of
-#: the cache key: entries compiled without a pass are not loaded).
-_GRAPH_PASSES = ("constants as inputs", "dense templates of random operators")
-
-_UNINITIALISED = (torch.ops.aten.empty.memory_format,
-                  torch.ops.aten.empty_like.default,
-                  torch.ops.aten.new_empty.default)
-
-
-def _dense_templates_of_random_operators(graph: torch.fx.GraphModule
-                                         ) -> None:
-    """A random operator whose input is an uninitialised tensor expanded
-    to its shape (vectorised replicas' dropout: ``bernoulli.p`` of a scalar
-    ``empty`` expanded over the replicas) gets a dense uninitialised tensor
-    of that shape instead, which holds values as undefined. From the
-    expanded one, Inductor's step returned a dropout of all zeros (with
-    gradient accumulation and replicas) where PyTorch draws a mask."""
-    for node in list(graph.graph.nodes):
-        target = node.target
-        if node.op != "call_function" or \
-                not isinstance(target, torch._ops.OpOverload) or \
-                torch.Tag.nondeterministic_seeded not in target.tags or \
-                not node.args or not _expanded_uninitialised(node.args[0]):
-            continue
-        value = node.args[0].meta["val"]
-        with graph.graph.inserting_before(node):
-            dense = graph.graph.call_function(
-                torch.ops.aten.empty.memory_format, (list(value.shape),),
-                {"dtype": value.dtype, "device": value.device})
-        node.replace_input_with(node.args[0], dense)
-    graph.graph.eliminate_dead_code()
-    graph.recompile()
-
-
-def _expanded_uninitialised(value) -> bool:
-    """Whether ``value`` is an ``expand`` of an uninitialised tensor."""
-    if not isinstance(value, torch.fx.Node) or "val" not in value.meta or \
-            value.target is not torch.ops.aten.expand.default:
-        return False
-    while value.target is torch.ops.aten.expand.default:
-        value = value.args[0]
-        if not isinstance(value, torch.fx.Node):
-            return False
-    return value.target in _UNINITIALISED
 
 
 _CONSTANTS = b"poptorch-inductor-constants\n"
