@@ -214,13 +214,25 @@ def _frames_and_targets(rows, seed=0):
 def test_training_model_with_iterations_accumulation_and_replicas():
     """D = 2, G = 2, R = 2 (vectorised replicas), two calls: the
     micro-batch losses and the trained weights equal plain PyTorch's."""
+    _train_like_plain_pytorch(options(2, 2, 2))
+
+
+@pytest.mark.slow
+def test_training_model_on_inductor():
+    """As above, compiled by Inductor, which checks the strides of the
+    kernels op's gradient (contiguous, also for the transposed log
+    probabilities) against its fake implementation's: it declared
+    log_probs' strides, and the first call failed."""
+    _train_like_plain_pytorch(options(2, 2, 2, setBackend="inductor"))
+
+
+def _train_like_plain_pytorch(opts):
     torch.manual_seed(0)
     model = FrameClassifier()
     twin = copy.deepcopy(model)
     data = _frames_and_targets(2 * 2 * 2 * 3)
     training = poptorch.trainingModel(
-        model, options(2, 2, 2),
-        torch.optim.SGD(model.parameters(), lr=0.5))
+        model, opts, torch.optim.SGD(model.parameters(), lr=0.5))
     reference = torch.optim.SGD(twin.parameters(), lr=0.5)
     for _ in range(2):
         _, losses = training(*data)

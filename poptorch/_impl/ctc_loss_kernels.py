@@ -88,14 +88,17 @@ def ctc_loss_kernels_backward(grad: Tensor, log_probs: Tensor,
     if not zero_infinity:
         unaligned = target_lengths > targets.shape[1]
         result.masked_fill_(unaligned.view(1, -1, 1), float("nan"))
-    return result
+    return result.contiguous()
 
 
 @ctc_loss_kernels_backward.register_fake
 def _ctc_loss_kernels_backward_fake(grad, log_probs, targets, input_lengths,
                                     target_lengths, nll, log_alpha, blank,
                                     zero_infinity):
-    return torch.empty_like(log_probs)
+    """A contiguous tensor of ``log_probs``' shape, as the op returns
+    whatever ``log_probs``' layout (a transposed [N, T, C] tensor's too):
+    Inductor checks the op's result against this."""
+    return log_probs.new_empty(log_probs.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
