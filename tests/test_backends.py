@@ -148,7 +148,8 @@ def test_inductor_dropout_of_replicas_with_accumulation():
 
 class _SegmentSums(torch.nn.Module):
     """Rows summed into three segments chosen by their values, with
-    ``index_put`` into new zeros (accumulating, and writing)."""
+    ``index_put`` into new zeros (accumulating, and writing), and a
+    ``diagonal_scatter`` into new zeros."""
 
     def __init__(self):
         super().__init__()
@@ -159,14 +160,17 @@ class _SegmentSums(torch.nn.Module):
         segment = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
         sums = torch.zeros(3, 4).index_put((segment,), h, accumulate=True)
         last = torch.zeros(3, 4).index_put((segment,), h)
-        return sums, torch.nn.functional.mse_loss(sums + last, y)
+        diagonal = torch.zeros(4, 4).diagonal_scatter(h[:, 0])
+        return sums, torch.nn.functional.mse_loss(sums + last, y) + \
+            diagonal.square().mean()
 
 
 @pytest.mark.slow
 def test_inductor_index_put_into_new_tensors_of_replicas():
     """R = 2, G = 2: each replica's sums are its own, and the update is
     plain PyTorch's (Inductor wrote every replica into the zeros expanded
-    over the replicas, and each returned the sum of both replicas')."""
+    over the replicas, and each returned the sum of both replicas'; the
+    diagonal_scatter failed to compile)."""
     torch.manual_seed(0)
     net = _SegmentSums()
     twin = copy.deepcopy(net)

@@ -14,7 +14,7 @@ import torch
 #: The passes, by name, in the order ``apply`` runs them (with the
 #: backend's own lifting of constants into inputs, which comes first).
 PASSES = ("constants as inputs", "dense templates of random operators",
-          "dense destinations of index_put")
+          "dense destinations of puts")
 
 _UNINITIALISED = (torch.ops.aten.empty.memory_format,
                   torch.ops.aten.empty_like.default,
@@ -24,7 +24,7 @@ _UNINITIALISED = (torch.ops.aten.empty.memory_format,
 def apply(graph: torch.fx.GraphModule) -> None:
     """Rewrite ``graph`` in place."""
     _dense_templates_of_random_operators(graph)
-    _dense_destinations_of_index_put(graph)
+    _dense_destinations_of_puts(graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
 
@@ -50,16 +50,23 @@ def _dense_templates_of_random_operators(graph: torch.fx.GraphModule
         node.replace_input_with(node.args[0], dense)
 
 
-def _dense_destinations_of_index_put(graph: torch.fx.GraphModule) -> None:
-    """``index_put`` into a tensor with a broadcast dimension (vectorised
-    replicas' ``torch.zeros(3, 4).index_put(...)``: the zeros expanded over
-    the replicas) writes into a dense copy of it. Into the expanded
-    tensor, Inductor's step wrote every replica's values into the one
-    memory they share, and each replica returned the sum of all
-    replicas' results."""
+#: Operators returning a copy of their first argument with values put in,
+#: which Inductor writes into that argument's layout.
+_PUTTING = (torch.ops.aten.index_put.default,
+            torch.ops.aten.diagonal_scatter.default,
+            torch.ops.aten.as_strided_scatter.default)
+
+
+def _dense_destinations_of_puts(graph: torch.fx.GraphModule) -> None:
+    """``index_put`` (or ``diagonal_scatter``) into a tensor with a
+    broadcast dimension (vectorised replicas' ``torch.zeros(3,
+    4).index_put(...)``: the zeros expanded over the replicas) puts into a
+    dense copy of it. Into the expanded tensor, Inductor's step wrote every
+    replica's values into the one memory they share, and each replica
+    returned the sum of all replicas' results (``diagonal_scatter`` failed
+    to compile)."""
     for node in _calls(graph):
-        if node.target is not torch.ops.aten.index_put.default or \
-                not _broadcast(node.args[0]):
+        if node.target not in _PUTTING or not _broadcast(node.args[0]):
             continue
         with graph.graph.inserting_before(node):
             dense = graph.graph.call_function(
