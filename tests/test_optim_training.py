@@ -15,6 +15,7 @@ slow; G = 1 runs by default.
 """
 import copy
 import dataclasses
+import io
 import logging
 import re
 
@@ -434,6 +435,47 @@ def test_resuming_from_state_dicts_is_bit_identical(case, compile_first):
     optimizer.load_state_dict(optimizer_state)
     run_calls(resumed, 2, 1)
     for a, b in zip(uninterrupted.parameters(), resumed_module.parameters()):
+        assert torch.equal(a, b)
+
+
+def _through_pickle(value):
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    stream.seek(0)
+    return torch.load(stream, weights_only=False)
+
+
+def _wrapper_copy(model, optimizer, opts):
+    """``torch.save`` of the training model, loaded: its module, and
+    itself to train on."""
+    copied = _through_pickle(model)
+    return copied.model, copied
+
+
+def _optimizer_copy(model, optimizer, opts):
+    """A deepcopy of the module and of the optimizer (its parameters
+    mapped onto the module's copies), wrapped in a new training model."""
+    module, optimizer = copy.deepcopy((model.model, optimizer))
+    return module, poptorch.trainingModel(module, opts, optimizer)
+
+
+@pytest.mark.parametrize("copied", [_wrapper_copy, _optimizer_copy],
+                         ids=["save-the-training-model", "deepcopy"])
+@pytest.mark.parametrize("case", RESUMABLE)
+def test_copies_of_a_trained_optimizer_hold_its_state(case, copied):
+    """pickle and deepcopy keep the optimizer state the training model has
+    (its momentum was lost, or an old state_dict()'s kept: a state dict
+    read after the first call here), and a model trained from the copy
+    goes on like the original."""
+    make = RESUMABLE[case]
+    opts = options(2, 2)
+    uninterrupted, _, _ = trained_mlp(make, opts, 4)
+    _, optimizer, model = trained_mlp(make, opts, 1)
+    optimizer.state_dict()
+    run_calls(model, 1, 1)
+    module, resumed = copied(model, optimizer, opts)
+    run_calls(resumed, 2, 2)
+    for a, b in zip(uninterrupted.parameters(), module.parameters()):
         assert torch.equal(a, b)
 
 

@@ -34,6 +34,10 @@ copy the device state into its ``state`` first, and ``load_state_dict()``
 puts the loaded ``state`` on the device, so checkpoints of torch.optim
 optimizers hold (and restore) the trained state.
 
+``pickle`` and ``copy.deepcopy`` of an optimizer (``pickled_state``) copy
+the device state into its ``state`` and keep the ``"poptorch"`` entry as a
+state the copy brings to the next training model it is given to.
+
 The state keeps its accumulation types (float32 by default, also for float16
 parameters). torch's ``load_state_dict()`` casts each loaded state tensor to
 its parameter's dtype; for optimizers of training models (and all
@@ -459,7 +463,37 @@ def link(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
         optimizer.register_state_dict_pre_hook(_device_state_to_host)
         optimizer.register_load_state_dict_pre_hook(_remember_loaded_state)
         optimizer.register_load_state_dict_post_hook(_host_state_to_device)
+        optimizer.__dict__["__getstate__"] = _torch_optimizer_pickled_state(
+            weakref.ref(optimizer))
         optimizer.__dict__[_HOOKED] = True
+
+
+def pickled_state(optimizer: torch.optim.Optimizer,
+                  torch_state: Callable[[], Dict[str, Any]]
+                  ) -> Dict[str, Any]:
+    """What ``pickle`` and ``copy.deepcopy`` keep of ``optimizer``
+    (``torch_state``: torch's ``__getstate__``): its state as the training
+    model using it has it now, in torch's format in ``state``, and the
+    device's own state, which the copy brings to the training model it is
+    given to (as a state dict loaded into it would)."""
+    device = _compiled_state(optimizer)
+    extras = device.store_on_optimizer(optimizer) if device is not None \
+        else _saved_state(optimizer)
+    state = dict(torch_state())
+    if extras is not None:
+        state[_SAVED] = extras
+    return state
+
+
+def _torch_optimizer_pickled_state(reference: "weakref.ref[Any]"
+                                   ) -> Callable[[], Dict[str, Any]]:
+    """A torch.optim optimizer's ``__getstate__`` (set on the instance,
+    which pickle and copy look up first): ``pickled_state``."""
+    def getstate() -> Dict[str, Any]:
+        optimizer = reference()
+        return pickled_state(optimizer, lambda: type(optimizer).__getstate__(
+            optimizer))
+    return getstate
 
 
 def _device_state_to_host(optimizer: torch.optim.Optimizer) -> None:

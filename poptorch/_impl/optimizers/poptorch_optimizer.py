@@ -200,7 +200,10 @@ class PoptorchOptimizer:
                 f"optimizer instead (optimizer.{name} = value)")
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = super().__getstate__()
+        """What pickle and copy keep: torch's state, the variable
+        attributes and the state of the training model using the optimizer
+        (``optimizer_state.pickled_state``)."""
+        state = optimizer_state.pickled_state(self, super().__getstate__)
         state["variable_attrs"] = self.variable_attrs
         return state
 
