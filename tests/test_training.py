@@ -4,6 +4,7 @@ import copy
 import functools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,6 +154,30 @@ def test_a_schedule_without_set_optimizer_is_reported_once(mlp, twin,
     message = "The optimizer's lr in param group 0 changed from 0.1 to 0.05"
     assert poptorch_log.text.count(message) == 1
     assert "setOptimizer(optimizer)" in poptorch_log.text
+
+
+@pytest.mark.parametrize("key, given, changed, described", [
+    ("lr", 0.1, np.float32(0.25), "lr in param group 0 changed from 0.1 to "
+     "0.25"),
+    ("lr", torch.tensor(0.5), torch.tensor(0.25), "changed from 0.5 to 0.25"),
+    ("betas", (0.9, 0.999), [0.5, 0.999], "betas in param group 0 changed "
+     "from (0.9, 0.999) to (0.5, 0.999)")])
+def test_hyper_parameters_of_other_types_changed_alone_are_reported(
+        mlp, twin, poptorch_log, key, given, changed, described):
+    """A numpy number, a tensor learning rate, betas as a list: the change
+    is reported and the call trains with what the model was given (a value
+    of another type raised KeyError, a tensor's change went unreported)."""
+    settings = {"lr": 0.1, "betas": (0.9, 0.999), key: given}
+    optimizer = torch.optim.Adam(mlp.parameters(), **settings)
+    model = poptorch.trainingModel(mlp, options(), optimizer)
+    reference = torch.optim.Adam(twin.parameters(), **settings)
+    for call in range(2):
+        x, y = make_data(4, seed=call)
+        model(x, y)
+        reference_training(twin, reference, (x, y))
+        optimizer.param_groups[0][key] = changed
+    assert_same_weights(mlp, twin)
+    assert described in poptorch_log.text
 
 
 def test_a_scheduler_stepped_before_any_training_call_still_warns(mlp):

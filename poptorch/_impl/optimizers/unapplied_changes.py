@@ -17,10 +17,23 @@ from ..logger import warn_once
 
 def _hyper_parameters(optimizer: torch.optim.Optimizer
                       ) -> List[Dict[str, Any]]:
-    """Each param group's numeric settings."""
-    return [{key: value for key, value in group.items()
-             if key != "params" and isinstance(value, (int, float, tuple))}
+    """Each param group's numeric settings, as Python numbers and tuples
+    (a learning rate may be a tensor or a numpy number, betas a list)."""
+    return [{key: number for key, number in
+             ((key, _number(value)) for key, value in group.items()
+              if key != "params") if number is not None}
             for group in optimizer.param_groups]
+
+
+def _number(value: Any) -> Any:
+    """``value`` as a Python number or a tuple of them, None when it is not
+    numeric."""
+    if isinstance(value, torch.Tensor) or hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        numbers = tuple(_number(item) for item in value)
+        return None if None in numbers else numbers
+    return value if isinstance(value, (int, float)) else None
 
 
 class GivenHyperParameters:
@@ -37,7 +50,8 @@ class GivenHyperParameters:
             return
         now = _hyper_parameters(optimizer)
         for index, (given, current) in enumerate(zip(self._given, now)):
-            changed = [key for key in given if current.get(key) != given[key]]
+            changed = [key for key in given
+                       if current.get(key, given[key]) != given[key]]
             if changed:
                 key = changed[0]
                 self._reported = True
