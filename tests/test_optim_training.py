@@ -1027,8 +1027,28 @@ def test_mismatched_param_groups_are_an_error(trained_sgd):
     regrouped = P.SGD([{"params": module.fc1.parameters()},
                        {"params": module.fc2.parameters()}], lr=0.1,
                       momentum=0.9)
-    with pytest.raises(poptorch.Error, match="parameter groups"):
+    with pytest.raises(poptorch.Error, match="has 2 param groups, and had "
+                       "1 when the model was compiled"):
         model.setOptimizer(regrouped)
+    assert_snapshot_equal(model, before)
+
+
+def test_a_group_added_after_compilation_is_named_in_the_error(mlp):
+    """Gradual unfreezing with add_param_group: the error names the groups
+    (it listed every constant attribute as changed)."""
+    for param in mlp.fc1.parameters():
+        param.requires_grad_(False)
+    optimizer = P.AdamW(mlp.fc2.parameters(), lr=0.01)
+    model = poptorch.trainingModel(mlp, options(2), optimizer)
+    model(*make_data(4))
+    before = snapshot(model)
+    for param in mlp.fc1.parameters():
+        param.requires_grad_(True)
+    optimizer.add_param_group({"params": list(mlp.fc1.parameters()),
+                               "lr": 0.001})
+    with pytest.raises(poptorch.Error, match=r"add_param_group after "
+                       r"compilation.*destroy\(\)"):
+        model.setOptimizer(optimizer)
     assert_snapshot_equal(model, before)
 
 

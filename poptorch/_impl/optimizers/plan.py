@@ -91,6 +91,9 @@ class OptimizerPlan:
     #: ``loss_scaling`` / ``max_grad_norm`` when they are variable attributes
     #: of a poptorch.optim optimizer (runtime inputs of the step).
     variable_globals: FrozenSet[str] = frozenset()
+    #: The optimizer's param groups, those without trainable parameters
+    #: included.
+    param_group_count: int = 1
 
     def structure(self) -> Hashable:
         """Everything that changes the traced graph: each group's rule and
@@ -148,7 +151,8 @@ def plan_optimizer(optimizer: torch.optim.Optimizer,
         max_grad_norm=float(max_grad_norm) if math.isfinite(max_grad_norm) else None,
         accum_dtype=_accum_dtype(optimizer),
         constant_attrs=_constant_attrs(optimizer, base),
-        variable_globals=_variable_globals(optimizer))
+        variable_globals=_variable_globals(optimizer),
+        param_group_count=len(optimizer.param_groups))
 
 
 def supported_base(optimizer_class: type) -> type:
@@ -323,6 +327,14 @@ def check_same_structure(old: OptimizerPlan, new: OptimizerPlan) -> None:
                     f"model was compiled ({old_families} at compilation, "
                     f"now {new_families}); call destroy() and compile again "
                     "to use another type of optimizer.")
+    if old.param_group_count != new.param_group_count:
+        raise Error(f"setOptimizer: the optimizer has "
+                    f"{new.param_group_count} param groups, and had "
+                    f"{old.param_group_count} when the model was compiled "
+                    "(add_param_group after compilation): the compiled "
+                    "update has each group's hyper-parameters and state. "
+                    "Call destroy() and compile again (the new model "
+                    "starts from the optimizer's state).")
     old_groups = [group.indices for group in old.groups]
     new_groups = [group.indices for group in new.groups]
     if old_groups != new_groups:
