@@ -24,6 +24,28 @@ def test_zero_d_argument_is_passed_whole_to_every_step():
     torch.testing.assert_close(out, x * 2)
 
 
+class _DefaultBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x, bias=torch.tensor([1.0, 2.0, 3.0]), scale=2.0):
+        return self.fc(x) * scale + bias
+
+
+def test_a_tensor_default_argument_is_used_whole_when_not_given():
+    """As in PyTorch, forward reads its default (it was an input cut into
+    micro-batches, refused as 3 rows for D = 2); a given value is cut."""
+    net = _DefaultBias()
+    x = torch.randn(8, 4)
+    model = poptorch.inferenceModel(net, options(2, replicas=2))
+    torch.testing.assert_close(model(x), net(x))
+    torch.testing.assert_close(model(x, scale=2.0), net(x))
+    rows = torch.randn(8, 3)
+    given = poptorch.inferenceModel(net, options(2, replicas=2))
+    torch.testing.assert_close(given(x, rows), net(x, rows))
+
+
 def test_buffer_written_in_place_persists_between_calls():
     class Counter(torch.nn.Module):
         def __init__(self):

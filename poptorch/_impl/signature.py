@@ -344,12 +344,20 @@ def _signature(forward: Callable) -> inspect.Signature:
 
 
 def _bind(signature: inspect.Signature, args: tuple, kwargs: dict):
+    """The call's arguments with the defaults of those not given, except
+    tensor defaults: ``forward`` reads those itself, whole, as in PyTorch
+    (a constant of the graph, not an input cut into micro-batches)."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as error:
         raise Error(f"The model's forward{signature} cannot take these "
                     f"arguments: {error}") from None
+    given = set(bound.arguments)
     bound.apply_defaults()
+    for name, value in list(bound.arguments.items()):
+        if name not in given and pytree.tree_any(
+                lambda leaf: isinstance(leaf, torch.Tensor), value):
+            del bound.arguments[name]
     return bound
 
 
