@@ -156,6 +156,20 @@ def test_none_among_outputs_is_returned_in_place():
     torch.testing.assert_close(total, x.sum(1))
 
 
+class _ShapeOf(torch.nn.Module):
+    def forward(self, x, shape):
+        return x.new_zeros(shape) + x.sum(), x.shape
+
+
+def test_a_torch_size_stays_a_torch_size():
+    """As an output (a micro-batch's shape) and as an argument (it came
+    back as a plain tuple; an argument reached forward as one)."""
+    out, shape = poptorch.inferenceModel(_ShapeOf(), options(2))(
+        torch.ones(4, 3), torch.Size([2]))
+    assert type(shape) is torch.Size and shape == (2, 3)
+    torch.testing.assert_close(out, torch.full((4,), 6.0))
+
+
 def test_none_among_training_outputs_is_returned_in_place():
     torch.manual_seed(0)
     net = _WithNone()

@@ -149,8 +149,11 @@ def _unknown_dataclass(value: Any) -> bool:
 
 
 def _unknown_sequence(value: Any) -> bool:
+    """A subclass of tuple or list that pytree does not know, or a
+    ``torch.Size`` (which pytree rebuilds as a plain tuple)."""
     return (isinstance(value, (tuple, list))
-            and type(value) not in pytree.SUPPORTED_NODES
+            and (type(value) not in pytree.SUPPORTED_NODES
+                 or type(value) is torch.Size)
             and not pytree.is_namedtuple_instance(value)
             and not pytree.is_structseq_instance(value))
 
@@ -304,6 +307,8 @@ def _flatten_sequence_of_type(node: SequenceOfType):
 
 def _unflatten_sequence_of_type(values, template: "_Template") -> Any:
     original = template.instance
+    if isinstance(original, torch.Size):
+        return torch.Size(values)
     if isinstance(original, tuple):
         rebuilt = tuple.__new__(type(original), values)
         if hasattr(original, "__dict__"):
