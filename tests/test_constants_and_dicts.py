@@ -176,6 +176,31 @@ def test_a_python_attribute_changed_after_compilation_is_reported(
     assert not torch.equal(model(x, y)[1], first)
 
 
+@pytest.mark.parametrize("change", ["add", "remove"])
+def test_a_hook_added_or_removed_after_compilation_is_reported(
+        change, poptorch_log):
+    """The compiled model runs the hooks it was traced with: adding or
+    removing one between calls has no effect until destroy() (it was
+    silent), and the change is logged once."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    handle = module[0].register_forward_hook(lambda mod, args, out: out * 10)
+    model = poptorch.inferenceModel(module, options(2))
+    x = torch.randn(4, 4)
+    first = model(x)
+    if change == "add":
+        module[1].register_forward_pre_hook(lambda mod, args: args[0] + 5)
+    else:
+        handle.remove()
+    torch.testing.assert_close(model(x), first, atol=0, rtol=0)
+    model(x)
+    where = ("The forward pre hooks of '1'" if change == "add" else
+             "The forward hooks of '0'")
+    assert poptorch_log.text.count(f"{where} in the wrapped module changed "
+                                   "(added or removed)") == 1
+    model.destroy()
+    torch.testing.assert_close(model(x), module(x))
+
+
 class _ScaledByCounter(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -3,11 +3,13 @@ PopTorch freezes them: tensors that are not parameters, buffers or
 arguments (plain tensor attributes, closure tensors;
 ``tracing_context.GraphConstants``), and the plain Python attributes of the
 module and its sub-modules (a temperature, a curriculum's length,
-``dropout.p``), and the train/eval modes of the sub-modules. A program that
-changes one on the host between calls (a per-epoch class weighting, an
-annealed temperature, ``bn.eval()`` on a frozen backbone's BatchNorm
-layers) would otherwise see no effect without a word: the first change is
-reported once, naming the attribute and what to do instead. Modes changed
+``dropout.p``), the train/eval modes of the sub-modules and their hooks
+(traced into the graph as they were). A program that changes one on the
+host between calls (a per-epoch class weighting, an annealed temperature,
+``bn.eval()`` on a frozen backbone's BatchNorm layers, a forward hook
+added for one epoch) would otherwise see no effect without a word: the
+first change is reported once, naming the attribute and what to do
+instead. Modes changed
 for the whole module at once (``module.eval()`` before running an
 inference model of it) are the usual way of alternating training and
 validation, and are not reported."""
@@ -41,7 +43,7 @@ class FrozenConstants:
             return
         self._tensors = [(tensor, tensor._version)
                          for tensor in self._constants]
-        self._attributes, self._modes = _watched(self._module)
+        self._attributes, self._modes, self._hooks = _watched(self._module)
 
     def report_changes(self) -> None:
         """Warn once when a constant has changed since the last call."""
@@ -56,7 +58,7 @@ class FrozenConstants:
                        "and call copyWeightsToDevice(), or pass it as an "
                        "argument")
             return
-        attributes, modes = _watched(self._module)
+        attributes, modes, hooks = _watched(self._module)
         if attributes != self._attributes:
             name = next(name for name in sorted(attributes.keys() |
                                                 self._attributes.keys())
@@ -69,6 +71,18 @@ class FrozenConstants:
                        "argument")
         elif modes != self._modes and len(set(modes.values())) > 1:
             self._warn_mode_change(modes)
+        elif hooks != self._hooks:
+            path, kind = next(key for key in sorted(hooks.keys() |
+                                                    self._hooks.keys())
+                              if hooks.get(key) != self._hooks.get(key))
+            self._reported = True
+            warn_once(
+                f"The {kind} of '{path or type(self._module).__name__}' in "
+                "the wrapped module changed (added or removed) after the "
+                "model was compiled. The compiled model runs the hooks it was "
+                "compiled with, as PopTorch traced them: register them "
+                "before the first call, or call destroy() to compile the "
+                "model again with the hooks it has now.")
 
     def _warn_mode_change(self, modes: Dict[str, bool]) -> None:
         name = next(name for name in sorted(modes)
@@ -102,18 +116,29 @@ class FrozenConstants:
                       "(a closure or global)") for tensor in tensors)
 
 
+#: The module attributes holding its forward and backward hooks.
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+          "_backward_hooks")
+
+
 def _watched(module: torch.nn.Module
-             ) -> Tuple[Dict[str, object], Dict[str, bool]]:
+             ) -> Tuple[Dict[str, object], Dict[str, bool],
+                        Dict[Tuple[str, str], Tuple[int, ...]]]:
     """The public attributes of plain Python types of the module and its
-    sub-modules (their ``training`` flags aside), by dotted name, and the
-    sub-modules' ``training`` flags, by path."""
-    attributes, modes = {}, {}
+    sub-modules (their ``training`` flags aside), by dotted name, the
+    sub-modules' ``training`` flags, by path, and the handles of their
+    hooks, by path and kind."""
+    attributes, modes, hooks = {}, {}, {}
     for dotted, name, value in _attributes(module):
         if name == "training":
             modes[dotted[:-len(name)].rstrip(".")] = value
+        elif name in _HOOKS:
+            if value:
+                kind = name.strip("_").replace("_", " ")
+                hooks[(dotted[:-len(name)].rstrip("."), kind)] = tuple(value)
         elif type(value) in _PLAIN_TYPES and not name.startswith("_"):
             attributes[dotted] = value
-    return attributes, modes
+    return attributes, modes, hooks
 
 
 def mode_name(training: bool) -> str:
