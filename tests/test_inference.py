@@ -46,7 +46,9 @@ def test_a_tensor_default_argument_is_used_whole_when_not_given():
     torch.testing.assert_close(given(x, rows), net(x, rows))
 
 
-def test_buffer_written_in_place_persists_between_calls():
+def test_buffer_written_in_place_persists_between_calls(poptorch_log):
+    """The device keeps the buffer; as in PopTorch the host sees it after
+    copyWeightsToHost(), and a read before says so, once."""
     class Counter(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -62,6 +64,11 @@ def test_buffer_written_in_place_persists_between_calls():
     torch.testing.assert_close(model(x), torch.tensor([[1.0], [2.0]]))
     torch.testing.assert_close(model(x), torch.tensor([[3.0], [4.0]]))
     assert counter.count.item() == 0
+    assert counter.state_dict()["count"].item() == 0
+    warning = "An inference model of this Counter wrote buffers"
+    assert poptorch_log.text.count(warning) == 1
+    assert "Call copyWeightsToHost() on the inference model" in \
+        poptorch_log.text
     model.copyWeightsToHost()
     assert counter.count.item() == 4
 

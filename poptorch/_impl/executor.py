@@ -396,6 +396,8 @@ class PoplarExecutor(CompiledExecutionMethods):
             self._shared.trained()
             self._loaded_version = self._sync.version
             _mark_optimizer_stepped(self._optimizer)
+        elif compiled.analysis.written_buffers:
+            self._sync.inference_wrote_buffers(self)
         return logged_output(compiled.model_call,
                              compiled.shape_outputs(outputs))
 
@@ -411,6 +413,7 @@ class PoplarExecutor(CompiledExecutionMethods):
                 weight_sync.host_reads_suspended():
             compiled.state.store_to_host(self._module)
             derived_weights.refresh(self._derived)
+        self._sync.buffers_seen(self)
         if self._sync.trainer is self:
             self._sync.device_newer = False
 

@@ -44,6 +44,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from ..errors import Error
+from .logger import warn_once
 
 _SYNC_ATTRIBUTE = "_poptorch_sync"
 # Each hooked module's list of the ModuleSyncs of the wrapped modules it
@@ -76,6 +77,9 @@ class ModuleSync:
         self.version = 0
         self.structure = 0
         self.device_newer = False
+        #: The inference model whose calls wrote buffers the host has not
+        #: seen (``inference_wrote_buffers``), or None.
+        self.unseen_buffer_writes = None
 
     def register(self, executor, training: bool, module_name: str) -> None:
         if training:
@@ -117,8 +121,31 @@ class ModuleSync:
             self.trainer.refuse_host_edits_of_stale_weights()
         self.bring_host_up_to_date()
 
+    def inference_wrote_buffers(self, executor) -> None:
+        """An inference call of ``executor`` wrote buffers on its device
+        (BatchNorm statistics in training mode, a counter written in
+        forward): as in PopTorch, they stay there until its
+        ``copyWeightsToHost()``; the host's next read says so, once."""
+        self.unseen_buffer_writes = executor
+
+    def buffers_seen(self, executor) -> None:
+        """``executor``'s buffers were copied to the host."""
+        if self.unseen_buffer_writes is executor:
+            self.unseen_buffer_writes = None
+
     def bring_host_up_to_date(self) -> bool:
         """Copy trained weights to the host if they are newer there."""
+        if self.unseen_buffer_writes is not None and not _suspended[0]:
+            writer = self.unseen_buffer_writes
+            warn_once(
+                f"An inference model of this "
+                f"{type(writer.model).__name__} wrote buffers on its device "
+                "(BatchNorm running statistics in training mode, buffers "
+                "written in forward), which the host copy read now does "
+                "not have: as in PopTorch, an inference model copies its "
+                "weights and buffers back only when told to. Call "
+                "copyWeightsToHost() on the inference model to read them "
+                "(or to start another model from them).")
         if not self.device_newer or _suspended[0]:
             return False
         self.device_newer = False
