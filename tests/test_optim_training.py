@@ -536,6 +536,31 @@ def test_a_torch_optimizer_state_dict_holds_the_device_state(pair):
     assert_same_torch_state(ours, theirs)
 
 
+@pytest.mark.parametrize("make", [
+    lambda p: T.Adam(p, lr=0.01), lambda p: P.Adam(p, lr=0.01),
+    lambda p: P.SGD(p, lr=0.05, momentum=0.9)],
+    ids=["torch-adam", "adam", "sgd-momentum"])
+def test_host_steps_after_training_calls_go_on_from_the_device_state(
+        pair, make):
+    """A run finished on the host with the same optimizer, without
+    destroy(): the host steps start from the trained state (Adam restarted
+    from zero) and state_dict() shows the host's steps (it showed the
+    device's older state)."""
+    mlp, twin = pair
+    optimizer = make(mlp.parameters())
+    model = poptorch.trainingModel(mlp, options(2), optimizer)
+    reference = make(twin.parameters())
+    train_both(model, twin, reference, calls=1)
+    for call in range(1, 3):
+        data = make_data(2, seed=call)
+        for net, stepped in ((mlp, optimizer), (twin, reference)):
+            stepped.zero_grad()
+            net(*data)[1].backward()
+            stepped.step()
+    assert_same_weights(mlp, twin, atol=ATOL)
+    assert_same_torch_state(optimizer.state_dict(), reference.state_dict())
+
+
 def test_state_dict_is_torch_format_with_device_extras(pair):
     mlp, twin = pair
     optimizer = P.Adam(mlp.parameters(), lr=0.01)

@@ -460,9 +460,13 @@ def link(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
     optimizer.__dict__[_MODEL] = weakref.ref(model_link)
     if _is_torch_optimizer(optimizer) and \
             not optimizer.__dict__.get(_HOOKED):
-        optimizer.register_state_dict_pre_hook(_device_state_to_host)
+        optimizer.register_state_dict_pre_hook(device_state_to_host)
         optimizer.register_load_state_dict_pre_hook(_remember_loaded_state)
         optimizer.register_load_state_dict_post_hook(_host_state_to_device)
+        optimizer.register_step_pre_hook(
+            lambda stepped, args, kwargs: device_state_to_host(stepped))
+        optimizer.register_step_post_hook(
+            lambda stepped, args, kwargs: host_state_to_device(stepped))
         optimizer.__dict__["__getstate__"] = _torch_optimizer_pickled_state(
             weakref.ref(optimizer))
         optimizer.__dict__[_HOOKED] = True
@@ -496,12 +500,25 @@ def _torch_optimizer_pickled_state(reference: "weakref.ref[Any]"
     return getstate
 
 
-def _device_state_to_host(optimizer: torch.optim.Optimizer) -> None:
-    """Before a torch.optim optimizer's ``state_dict()``: the state of the
-    compiled training model using it, into ``optimizer.state``."""
+def device_state_to_host(optimizer: torch.optim.Optimizer) -> None:
+    """Before an optimizer's ``state_dict()`` (a torch.optim one's) or host
+    ``step()``: the state of the compiled training model using it, into
+    ``optimizer.state``, so that a step on the host goes on from the
+    trained state."""
     device = _compiled_state(optimizer)
     if device is not None:
         device.store_on_optimizer(optimizer)
+
+
+def host_state_to_device(optimizer: torch.optim.Optimizer) -> None:
+    """After a host ``step()``: its state becomes the state of the compiled
+    training model using the optimizer from the next call (the host's is
+    the newer one)."""
+    device = _compiled_state(optimizer)
+    if device is not None:
+        states = [optimizer.state.get(p, {}) for p in device.host_params]
+        device.replace(device.build(states, [None] * len(states),
+                                    device.loaded_scale_state({})))
 
 
 def _remember_loaded_state(optimizer: torch.optim.Optimizer,

@@ -237,12 +237,14 @@ class PoptorchOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self.check_param_groups()
+        optimizer_state.device_state_to_host(self)
         gradients = self._host_gradients()
         for group in self.param_groups:
             params = [p for p in group["params"] if p in gradients]
             if params:
                 self._host_group_step(group, params,
                                       [gradients[p] for p in params])
+        optimizer_state.host_state_to_device(self)
         return loss
 
     def _host_gradients(self) -> Dict[Tensor, Tensor]:
