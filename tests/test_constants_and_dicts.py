@@ -12,7 +12,7 @@ import torch
 
 import poptorch
 from poptorch._impl import capture, tracing_context
-from conftest import options
+from conftest import WithLoss, options
 
 OFFSET = torch.tensor([0.5, -1.0, 2.0])
 
@@ -176,9 +176,17 @@ def test_a_python_attribute_changed_after_compilation_is_reported(
     assert not torch.equal(model(x, y)[1], first)
 
 
-@pytest.mark.parametrize("change", ["add", "remove"])
+def _add_global_hook(module):
+    return torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out + 5 if mod is module[1] else None)
+
+
+@pytest.mark.parametrize("change, where", [
+    ("add", "The forward pre hooks of '1' in the wrapped module"),
+    ("remove", "The forward hooks of '0' in the wrapped module"),
+    ("global", "torch's global forward hooks")])
 def test_a_hook_added_or_removed_after_compilation_is_reported(
-        change, poptorch_log):
+        change, where, poptorch_log):
     """The compiled model runs the hooks it was traced with: adding or
     removing one between calls has no effect until destroy() (it was
     silent), and the change is logged once."""
@@ -187,18 +195,34 @@ def test_a_hook_added_or_removed_after_compilation_is_reported(
     model = poptorch.inferenceModel(module, options(2))
     x = torch.randn(4, 4)
     first = model(x)
+    added = None
     if change == "add":
         module[1].register_forward_pre_hook(lambda mod, args: args[0] + 5)
+    elif change == "global":
+        added = _add_global_hook(module)
     else:
         handle.remove()
-    torch.testing.assert_close(model(x), first, atol=0, rtol=0)
-    model(x)
-    where = ("The forward pre hooks of '1'" if change == "add" else
-             "The forward hooks of '0'")
-    assert poptorch_log.text.count(f"{where} in the wrapped module changed "
-                                   "(added or removed)") == 1
-    model.destroy()
-    torch.testing.assert_close(model(x), module(x))
+    try:
+        torch.testing.assert_close(model(x), first, atol=0, rtol=0)
+        model(x)
+        assert poptorch_log.text.count(f"{where} changed (added or "
+                                       "removed)") == 1
+        model.destroy()
+        torch.testing.assert_close(model(x), module(x))
+    finally:
+        if added is not None:
+            added.remove()
+
+
+def test_a_gradient_hook_added_after_compilation_is_reported(poptorch_log):
+    module = torch.nn.Linear(4, 3)
+    model = poptorch.trainingModel(WithLoss(module), options())
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    model(x, y)
+    module.weight.register_hook(lambda gradient: gradient * 0)
+    model(x, y)
+    assert "The gradient hooks of 'model.weight' in the wrapped module " \
+        "changed" in poptorch_log.text
 
 
 class _ScaledByCounter(torch.nn.Module):

@@ -120,3 +120,88 @@ def test_poptorch_ops_keep_replicas_vectorised():
     assert compiled_model(model).engine.replicas.path == "vectorised"
     model.copyWeightsToHost()
     assert_same_weights(net, twin)
+
+
+class _TwoStages(Hooked):
+    """``Hooked`` with its output layer as a second stage."""
+
+    def __init__(self, kind):
+        super().__init__(kind)
+        poptorch.BeginBlock(self.out, ipu_id=1)
+
+
+@pytest.mark.parametrize("kind, found", [
+    ("tensor", "Tensor.register_hook at File"),
+    ("module", "backward hooks of module 'out'"),
+    ("parameter", "parameter 'hidden.weight'")])
+@pytest.mark.parametrize("strategy", [poptorch.PipelinedExecution,
+                                      poptorch.ShardedExecution])
+def test_gradient_hooks_in_several_stages_are_refused(kind, found,
+                                                      strategy):
+    """The stages trained without them, in silence."""
+    net = _TwoStages(kind)
+    opts = options(accumulation=4).setExecutionStrategy(strategy())
+    model = poptorch.trainingModel(net, opts)
+    with pytest.raises(poptorch.Error, match=f"runs as several stages.*"
+                       f"{found}"):
+        model(*make_data(16))
+
+
+def test_printing_a_gradient_in_several_stages_is_not_refused():
+    class Printed(_TwoStages):
+        def forward(self, x, y):
+            h = poptorch.ipu_print_tensor(torch.tanh(self.hidden(x)), "h")
+            logits = self.out(h)
+            return logits, F.cross_entropy(logits, y)
+
+    torch.manual_seed(0)
+    net = Printed(None)
+    model = poptorch.trainingModel(net, options(accumulation=4))
+    model(*make_data(16))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_global_module_hooks_see_the_users_modules_only(stages):
+    """A global forward hook (an activation logger that scales every
+    module's outputs) runs on the user's modules when the model is
+    captured, and never on the compiled step or its stages (it ran on
+    them at every call and scaled the step's outputs, which trained
+    wrongly)."""
+    seen = set()
+
+    def scale(module, args, output):
+        seen.add(type(module).__name__)
+        return torch.utils._pytree.tree_map(
+            lambda t: t * 0.5 if torch.is_floating_point(t) else t, output)
+
+    torch.manual_seed(0)
+    net = Hooked(None) if stages == 1 else _TwoStages(None)
+    twin = Hooked(None)
+    twin.load_state_dict(net.state_dict())
+    handle = torch.nn.modules.module.register_module_forward_hook(scale)
+    try:
+        model = poptorch.trainingModel(net, options(accumulation=4),
+                                       torch.optim.SGD(net.parameters(),
+                                                       lr=0.5))
+        optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+        for seed in range(2):
+            x, y = make_data(16, seed=seed)
+            model(x, y)
+            _reference_step(twin, optimizer, x, y, 4)
+        assert "Linear" in seen
+        assert not seen & {"GraphModule", "StageModule"}
+    finally:
+        handle.remove()
+    assert_same_weights(net, twin)
+
+
+def test_post_accumulate_grad_hooks_are_refused():
+    """The hook (an optimizer in backward, a gradient zeroed after
+    accumulation) was ignored, and the parameter trained without it."""
+    net = Hooked(None)
+    net.out.weight.register_post_accumulate_grad_hook(
+        lambda parameter: parameter.grad.zero_())
+    model = poptorch.trainingModel(net, options())
+    with pytest.raises(poptorch.Error, match="'out.weight' has a hook "
+                       "registered with register_post_accumulate_grad_hook"):
+        model(*make_data(4))

@@ -229,13 +229,16 @@ class DetachedMetric(torch.nn.Module):
             return mse.detach(), ce
         if self.kind == "detached-sum":
             return (ce + mse).detach(), ce
+        if self.kind == "the-loss-detached":
+            return ce.detach(), ce
         with torch.no_grad():
             total = ce + mse
         return total, ce
 
 
 @pytest.mark.parametrize("kind", ["detached-total", "detached-loss",
-                                  "detached-sum", "sum-under-no-grad"])
+                                  "detached-sum", "sum-under-no-grad",
+                                  "the-loss-detached"])
 def test_values_without_gradients_are_metrics_beside_the_loss(kind):
     """They are neither totals nor final losses: the cross-entropy trains,
     as ce.backward() does in PyTorch (a detached total was taken as the

@@ -287,6 +287,8 @@ class ModelAnalysis:
     loss_output: Optional[int] = None
     #: The parameters ``forward`` writes in place (a teacher's EMA update).
     written_params: List[int] = dataclasses.field(default_factory=list)
+    #: Where ``forward`` registers gradient hooks on tensors.
+    gradient_hook_places: List[str] = dataclasses.field(default_factory=list)
 
     def backward_start(self, recorded_losses: List[torch.Tensor],
                        output_tensors: List[torch.Tensor]) -> torch.Tensor:
@@ -308,18 +310,20 @@ def _choose_backward_start(analysis: ModelAnalysis,
                            loss_nodes: List[torch.fx.Node],
                            places: List[str],
                            flow: graph_writes.DataFlow,
-                           without_gradients: Set[torch.fx.Node]
+                           returned_without: Set[torch.fx.Node],
+                           losses_without: Set[torch.fx.Node]
                            ) -> torch.fx.Node:
     """Set where the backward pass starts (a returned total, else the one
     final loss) and return its node. ``places``: the user's line of each
-    recorded loss; ``without_gradients``: the returned tensors and losses
-    that do not require gradients in a model that trains parameters (an
-    error for the start)."""
+    recorded loss; ``returned_without`` and ``losses_without``: the
+    returned tensors and the losses that do not require gradients in a
+    model that trains parameters (such a loss is an error for the
+    start)."""
     finals = backward_start.used_losses(
         backward_start.final_losses(loss_nodes, flow), returned, flow,
-        without_gradients)
+        returned_without)
     analysis.loss_output = backward_start.returned_total(
-        returned, finals, flow, without_gradients)
+        returned, finals, flow, returned_without)
     if analysis.loss_output is not None:
         return returned[analysis.loss_output]
     if len(finals) > 1:
@@ -327,7 +331,7 @@ def _choose_backward_start(analysis: ModelAnalysis,
         raise Error(losses.SEVERAL_LOSSES_MESSAGE.format(count=len(finals),
                                                          where=where))
     analysis.final_loss = loss_nodes.index(finals[0])
-    if finals[0] in without_gradients:
+    if finals[0] in losses_without:
         raise Error(losses.NO_GRADIENT_MESSAGE.format(
             where=places[analysis.final_loss]))
     return finals[0]
@@ -365,7 +369,8 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         return tensors + recorder.losses
 
     with capture_scope(call.module, training_flags) as block_records, \
-            losses.recording_mode(training):
+            losses.recording_mode(training), \
+            tracing_context.gradient_hooks_recorded() as hook_places:
         graph = trace_user_code(forward, params + buffers + inputs).graph
     flow = graph_writes.DataFlow(graph)
     written = flow.written_placeholders()
@@ -380,19 +385,31 @@ def analyse(call: ModelCall, params: List[torch.Tensor],
         written_params=[i for i in written if i < len(params)],
         final_loss=None, params_reaching_loss=[],
         blocks=blocks.with_layers_before(block_records, graph.nodes),
-        stored_outputs=flow.stored_outputs(outputs[:split_at]))
+        stored_outputs=flow.stored_outputs(outputs[:split_at]),
+        gradient_hook_places=hook_places)
     if training:
-        without_gradients = {
-            node for node, grad in zip(outputs, found["requires_grad"])
-            if not grad} if any(tracked) else set()
-        start = _choose_backward_start(analysis, outputs[:split_at],
-                                       outputs[split_at:], found["places"],
-                                       flow, without_gradients)
+        grads = found["requires_grad"] if any(tracked) else \
+            [True] * len(outputs)
+        start = _choose_backward_start(
+            analysis, outputs[:split_at], outputs[split_at:],
+            found["places"], flow,
+            _without_gradients(outputs[:split_at], grads[:split_at]),
+            _without_gradients(outputs[split_at:], grads[split_at:]))
         reaching = flow.ancestors(start)
         analysis.params_reaching_loss = [
             i for i, node in enumerate(_placeholders(graph)[:len(params)])
             if node in reaching]
     return analysis
+
+
+def _without_gradients(outputs: List[torch.fx.Node],
+                        requires_grad: List[bool]) -> Set[torch.fx.Node]:
+    """The nodes of ``outputs`` none of whose tensors there requires
+    gradients (the graph has no detaches: a returned ``loss`` and a logged
+    ``loss.detach()`` are one node)."""
+    with_gradients = {node for node, grad in zip(outputs, requires_grad)
+                      if grad}
+    return {node for node in outputs if node not in with_gradients}
 
 
 #: torch.ao.nn.quantized's modules that compute in floating point (a

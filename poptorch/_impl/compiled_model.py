@@ -45,7 +45,8 @@ from .logger import info_once
 from .optimizers.optimizer_state import OptimizerDeviceState
 from .optimizers.plan import OptimizerPlan
 from .optimizers.state_location import OptimizerStateLocation
-from .parameter_hooks import hooked_parameters
+from .parameter_hooks import (gradient_hooks_of_model, hooked_parameters,
+                              refuse_post_accumulate_grad_hooks)
 from .outputs import (OutputCollector, as_training_outputs,
                       check_return_period, resolve_output_mode)
 from .perf_counters import CallTimer
@@ -157,6 +158,8 @@ class CompiledModel:
                 module, spec.training_flags, state.buffer_names,
                 analysis.written_buffers,
                 spec.options.broadcast_buffers and layout.replicas > 1)
+        if spec.training:
+            refuse_post_accumulate_grad_hooks(module)
         replicas = ReplicaExecution.choose(layout, analysis, spec.training,
                                            grouped, hooked_parameters(module))
         compile_inputs = CompileInputs(model_call, analysis, state, micro,
@@ -464,6 +467,17 @@ def _engine(spec: ModelSpec, inputs: CompileInputs,
     if plan is None:
         return SingleGraphEngine(
             inputs.replicas, inputs.session.backend.overwrites_donated_inputs)
+    hooks = gradient_hooks_of_model(
+        spec.module, inputs.analysis.gradient_hook_places) \
+        if spec.training else []
+    if hooks:
+        raise Error(
+            f"The model runs as several stages "
+            f"({type(plan.strategy).__name__}), which do not apply "
+            "gradient hooks: found "
+            f"{'; '.join(hooks)}. Its stages would train without them. "
+            "Remove the hooks (or apply their change in the loss), or run "
+            "the model as one stage.")
     return StagedEngine.build(plan, inputs, spec.options, spec.training,
                               training.trainable if training else [])
 

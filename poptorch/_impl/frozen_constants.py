@@ -16,6 +16,7 @@ validation, and are not reported."""
 from typing import Dict, List, Tuple
 
 import torch
+import torch.nn.modules.module as module_hooks
 
 from .logger import warn_once
 from .weight_sync import host_reads_suspended
@@ -76,9 +77,12 @@ class FrozenConstants:
                                                     self._hooks.keys())
                               if hooks.get(key) != self._hooks.get(key))
             self._reported = True
+            subject = (f"torch's {kind}" if kind.startswith("global")
+                       else f"The {kind} of "
+                       f"'{path or type(self._module).__name__}' in the "
+                       "wrapped module")
             warn_once(
-                f"The {kind} of '{path or type(self._module).__name__}' in "
-                "the wrapped module changed (added or removed) after the "
+                f"{subject} changed (added or removed) after the "
                 "model was compiled. The compiled model runs the hooks it was "
                 "compiled with, as PopTorch traced them: register them "
                 "before the first call, or call destroy() to compile the "
@@ -119,6 +123,9 @@ class FrozenConstants:
 #: The module attributes holding its forward and backward hooks.
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
           "_backward_hooks")
+#: torch's hooks of every module (``register_module_forward_hook``...).
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
 
 
 def _watched(module: torch.nn.Module
@@ -128,17 +135,40 @@ def _watched(module: torch.nn.Module
     sub-modules (their ``training`` flags aside), by dotted name, the
     sub-modules' ``training`` flags, by path, and the handles of their
     hooks, by path and kind."""
-    attributes, modes, hooks = {}, {}, {}
+    attributes, modes, hooks = {}, {}, _global_hooks()
     for dotted, name, value in _attributes(module):
+        path = dotted[:-len(name)].rstrip(".")
         if name == "training":
-            modes[dotted[:-len(name)].rstrip(".")] = value
+            modes[path] = value
         elif name in _HOOKS:
             if value:
-                kind = name.strip("_").replace("_", " ")
-                hooks[(dotted[:-len(name)].rstrip("."), kind)] = tuple(value)
+                hooks[(path, name.strip("_").replace("_", " "))] = \
+                    tuple(value)
+        elif name == "_parameters":
+            hooks.update(_parameter_hooks(path, value))
         elif type(value) in _PLAIN_TYPES and not name.startswith("_"):
             attributes[dotted] = value
     return attributes, modes, hooks
+
+
+def _parameter_hooks(path: str, parameters: Dict[str, torch.Tensor]
+                     ) -> Dict[Tuple[str, str], Tuple[int, ...]]:
+    """The handles of the gradient hooks of a module's ``parameters``."""
+    return {(f"{path}{'.' if path else ''}{name}", kind): tuple(hooks)
+            for name, parameter in parameters.items()
+            for kind, hooks in (
+                ("gradient hooks",
+                 getattr(parameter, "_backward_hooks", None)),
+                ("post-accumulate-grad hooks",
+                 getattr(parameter, "_post_accumulate_grad_hooks", None)))
+            if hooks}
+
+
+def _global_hooks() -> Dict[Tuple[str, str], Tuple[int, ...]]:
+    """The handles of torch's global module hooks, by kind."""
+    return {("", name.strip("_").replace("_", " ")):
+            tuple(getattr(module_hooks, name))
+            for name in _GLOBAL_HOOKS if getattr(module_hooks, name)}
 
 
 def mode_name(training: bool) -> str:

@@ -244,7 +244,9 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "") -> torch.Tensor:
                     f"{type(title).__name__}")
     printed = _apply_identity_op(_print_op, tensor, title)
     if printed.requires_grad:
-        printed.register_hook(functools.partial(_print_gradient, title))
+        hook = functools.partial(_print_gradient, title)
+        hook.prints_only = True         # no gradient hook to the stages
+        printed.register_hook(hook)
     return printed
 
 

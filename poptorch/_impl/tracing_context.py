@@ -36,6 +36,9 @@
   ``from``, which draws the same numbers: the name of its operator,
   ``aten.random_.from``, is a Python keyword that torch's graph code
   cannot hold.
+* The places where ``forward`` registers gradient hooks on tensors are
+  recorded (``gradient_hooks_recorded``): the stages of a pipelined or
+  sharded model cannot apply them, which is refused.
 * ``torch.bincount`` with ``minlength`` has ``minlength`` bins and
   ``F.one_hot`` needs ``num_classes`` (``data_dependent_ops.py``).
 * ``nn.Transformer``, ``nn.TransformerEncoder`` and
@@ -56,7 +59,7 @@ import contextlib
 import contextvars
 import logging
 import traceback
-from typing import ContextManager, Dict, Iterator, Optional, Tuple
+from typing import ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch._dynamo
 import torch.nn.functional as F
@@ -286,6 +289,33 @@ class _ExplicitGenerators(TorchFunctionMode):
                 "draw fixed numbers (a generator seeded in forward) once "
                 "outside the model and register them as a buffer.")
         return func(*args, **kwargs)
+
+
+class _GradientHooks(TorchFunctionMode):
+    """Records where ``forward`` registers gradient hooks on tensors
+    (``Tensor.register_hook``), except hooks that only print
+    (``poptorch.ipu_print_tensor``'s, marked ``prints_only``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: List[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hook = args[1] if len(args) > 1 else kwargs.get("hook")
+        if func is torch.Tensor.register_hook and \
+                not getattr(hook, "prints_only", False):
+            self.places.append(
+                describe_frame(user_frame(traceback.extract_stack())))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def gradient_hooks_recorded() -> Iterator[List[str]]:
+    """The places (source lines) where the trace registers gradient hooks on
+    tensors, in a list filled as it runs."""
+    with _GradientHooks() as recorder:
+        yield recorder.places
 
 
 @contextlib.contextmanager

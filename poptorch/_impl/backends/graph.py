@@ -47,7 +47,9 @@ class GraphBackend(Backend):
         pool_channels_last(rewritten)
         reshape_views(rewritten)
         reuse_dead_tensors(rewritten, donation or Donation({}))
-        return torch.fx.GraphModule(graph, rewritten)
+        # The generated code itself: a call of the module would run the
+        # user's global module hooks (register_module_forward_hook) on it.
+        return torch.fx.GraphModule(graph, rewritten).forward
 
 
 register(GraphBackend())

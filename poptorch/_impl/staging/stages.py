@@ -379,6 +379,12 @@ class StageModule(torch.nn.Module):
             return buffers[index]
         return inputs[input_name(index - staged.num_buffers)][0]
 
+    def __call__(self, *carried: torch.Tensor, **inputs: torch.Tensor):
+        """``forward``, without module hooks: the user's global ones
+        (``register_module_forward_hook``) ran on their own modules when
+        the model was captured, and must not see the stages."""
+        return self.forward(*carried, **inputs)
+
     def forward(self, *carried: torch.Tensor, **inputs: torch.Tensor):
         with profile_range(f"stage {self.index} forward"):
             return self._forward(carried, inputs)
@@ -404,7 +410,7 @@ class StageModule(torch.nn.Module):
         if self.segments:
             result = self._run_segments(stage_inputs)
         else:
-            result = self.part.module(*stage_inputs)
+            result = self.part.module.forward(*stage_inputs)
         passed = tuple(result[:self.part.carried_out])
         if differentiable:
             passed = tuple(_as_differentiable_leaf(t) for t in passed)
@@ -459,17 +465,18 @@ class StageModule(torch.nn.Module):
 
 
 def _on_copies_of_written(module: fx.GraphModule):
-    """``module`` run on copies of the inputs it writes in place (a copy of
-    a buffer BatchNorm updates): its recomputation in the backward pass
-    then starts from the values the forward pass started from, and leaves
-    the values that pass returned as they were."""
+    """``module``'s code (called without module hooks) run on copies of the
+    inputs it writes in place (a copy of a buffer BatchNorm updates): its
+    recomputation in the backward pass then starts from the values the
+    forward pass started from, and leaves the values that pass returned as
+    they were."""
     written = set(written_placeholders(module.graph))
     if not written:
-        return module
+        return module.forward
 
     def run(*values: torch.Tensor):
-        return module(*(value.clone() if index in written else value
-                        for index, value in enumerate(values)))
+        return module.forward(*(value.clone() if index in written else value
+                                for index, value in enumerate(values)))
     return run
 
 
