@@ -3,16 +3,16 @@ PopTorch freezes them: tensors that are not parameters, buffers or
 arguments (plain tensor attributes, closure tensors;
 ``tracing_context.GraphConstants``), and the plain Python attributes of the
 module and its sub-modules (a temperature, a curriculum's length,
-``dropout.p``), the train/eval modes of the sub-modules and their hooks
+``dropout.p``), the train/eval modes of the sub-modules and the hooks of
+the sub-modules, of their parameters and torch's global module hooks
 (traced into the graph as they were). A program that changes one on the
 host between calls (a per-epoch class weighting, an annealed temperature,
 ``bn.eval()`` on a frozen backbone's BatchNorm layers, a forward hook
 added for one epoch) would otherwise see no effect without a word: the
 first change is reported once, naming the attribute and what to do
-instead. Modes changed
-for the whole module at once (``module.eval()`` before running an
-inference model of it) are the usual way of alternating training and
-validation, and are not reported."""
+instead. Modes changed for the whole module at once (``module.eval()``
+before running an inference model of it) are the usual way of
+alternating training and validation, and are not reported."""
 from typing import Dict, List, Tuple
 
 import torch

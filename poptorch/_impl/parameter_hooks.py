@@ -11,7 +11,14 @@ replica's own gradient before the all-reduce. Replicas run on the
 sequential path when a parameter has hooks (``replication/replicas.py``):
 on the vectorised path the parameter's gradient is already the replicas'
 sum. Hooks registered after the model is compiled take effect when it is
-compiled again (``destroy()``, or a new wrapper).
+compiled again (``destroy()``, or a new wrapper); the change is reported
+(``frozen_constants.py``).
+
+The stages of a pipelined or sharded model run graphs without autograd
+hooks, so a multi-stage training model with gradient hooks (on
+parameters, modules' backward hooks, tensors in ``forward``) is refused;
+so is a hook registered with ``register_post_accumulate_grad_hook``, which
+reads ``param.grad`` that a compiled step never sets.
 """
 from typing import List, Sequence
 
