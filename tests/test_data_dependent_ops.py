@@ -271,3 +271,44 @@ def test_bincount_argument_errors_are_pytorch_errors():
         poptorch.inferenceModel(Body(two_dimensional))(torch.randn(4, 4), y)
     assert not isinstance(captured.value, poptorch.Error)
     assert str(captured.value) == str(plain.value)
+
+
+class _ScalarIndices(torch.nn.Module):
+    """Rows chosen by 0-d integer tensors (an action, a position): read,
+    written, and counted from the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x, choice):
+        row = self.table[choice[0]] + self.table[choice[1] - 5]
+        mask = torch.ones(4)
+        mask[choice[0] % 4] = 0.0
+        out = x * row.sum() * mask
+        return out, torch.nn.functional.mse_loss(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_zero_d_integer_indices_select_rows_like_pytorch(replicas):
+    """As PopTorch's tracer recorded them (PyTorch reads their value,
+    which a static graph cannot: they were refused). Each replica's own
+    indices; the update equals plain PyTorch's."""
+    torch.manual_seed(0)
+    net = _ScalarIndices()
+    twin = copy.deepcopy(net)
+    model = poptorch.trainingModel(
+        net, options(replicas=replicas, outputMode=poptorch.OutputMode.All),
+        torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(2 * replicas, 4)
+    choices = torch.tensor([1, 4, 3, 2])[:2 * replicas]   # 2 per replica
+    out, _ = model(x, choices)
+    reference = torch.optim.SGD(twin.parameters(), lr=0.1)
+    expected = []
+    for part, picks in zip(x.chunk(replicas), choices.chunk(replicas)):
+        part_out, loss = twin(part, picks)
+        expected.append(part_out.detach())
+        (loss / replicas).backward()
+    reference.step()
+    torch.testing.assert_close(out, torch.cat(expected))
+    assert_same_weights(net, twin)

@@ -39,6 +39,10 @@
 * The places where ``forward`` registers gradient hooks on tensors are
   recorded (``gradient_hooks_recorded``): the stages of a pipelined or
   sharded model cannot apply them, which is refused.
+* A 0-d integer tensor used as an index (``table[action]``, ``w[i] =
+  v``), whose value PyTorch reads, selects or writes one row with
+  ``index_select`` / ``index_put_``, as PopTorch's tracer recorded such an
+  index (``_getitem``, ``_setitem``).
 * ``torch.bincount`` with ``minlength`` has ``minlength`` bins and
   ``F.one_hot`` needs ``num_classes`` (``data_dependent_ops.py``).
 * ``nn.Transformer``, ``nn.TransformerEncoder`` and
@@ -254,10 +258,47 @@ def _random_from_to(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return tensor.copy_(draws + bounds["from"])
 
 
+def _integer_scalar(index) -> bool:
+    """Whether ``index`` is a 0-d integer tensor (uint8 and bool tensors
+    index as masks)."""
+    return isinstance(index, torch.Tensor) and index.dim() == 0 and \
+        not index.is_floating_point() and not index.is_complex() and \
+        index.dtype not in (torch.bool, torch.uint8)
+
+
+def _position(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``index`` as a one-element index along a dimension of ``size``
+    (negative indices counted from the end)."""
+    return torch.where(index < 0, index + size, index).reshape(1).long()
+
+
+def _getitem(tensor: torch.Tensor, index) -> torch.Tensor:
+    """``tensor[index]``; a 0-d integer tensor index selects along the first
+    dimension with ``index_select``, as PopTorch's tracer recorded it,
+    where PyTorch reads its value."""
+    if not _integer_scalar(index) or tensor.dim() == 0:
+        return torch.Tensor.__getitem__(tensor, index)
+    return tensor.index_select(
+        0, _position(index, tensor.shape[0])).squeeze(0)
+
+
+def _setitem(tensor: torch.Tensor, index, value) -> None:
+    """``tensor[index] = value``, with a 0-d integer tensor index as
+    ``_getitem`` reads it (``index_put_`` of one row)."""
+    if not _integer_scalar(index) or tensor.dim() == 0:
+        torch.Tensor.__setitem__(tensor, index, value)
+        return
+    row = torch.as_tensor(value, dtype=tensor.dtype, device=tensor.device)
+    tensor.index_put_((_position(index, tensor.shape[0]),),
+                      row.expand(tensor.shape[1:]).unsqueeze(0))
+
+
 #: Functions that run as another while a model is traced (see the module
 #: documentation).
 _SUBSTITUTES = {F.ctc_loss: ctc_loss, F.gaussian_nll_loss: gaussian_nll_loss,
-                torch.Tensor.random_: _random_from_to}
+                torch.Tensor.random_: _random_from_to,
+                torch.Tensor.__getitem__: _getitem,
+                torch.Tensor.__setitem__: _setitem}
 
 
 class _Substitutes(TorchFunctionMode):
