@@ -4,23 +4,24 @@
 The recorded losses (``losses.py``) that feed no other recorded loss are
 the final losses; of those, the ones that no returned tensor with gradients
 uses (dead code, or metrics returned detached) are left out when another
-is used. Dependencies follow the graph's edges and its
-in-place writes (``graph_writes.DataFlow``). The backward pass starts from
-the single-element tensor ``forward`` returns that is the model's total
-loss, as ``total.backward()`` would in PyTorch, when there is one; else
-from the final loss (several unrelated final losses are an error).
+is used. Dependencies follow the graph's edges and its in-place writes
+(``graph_writes.DataFlow``). The backward pass starts from the
+single-element tensor ``forward`` returns that is the model's total loss,
+as ``total.backward()`` would in PyTorch, when there is one; else from the
+final loss (several unrelated final losses are an error).
 
 A returned single-element tensor computed from every final loss (and not
 a final loss itself, nor a value without gradients: a logged
-``ce.detach() * tokens`` or a sum under ``torch.no_grad()``) is a total when it brings in more than one final
-loss's value: several final losses (``0.3 * ctc + 0.7 * ce``), or terms of
-the model's inputs and weights that do not pass through the final losses
-(``ce + 0.1 * l2``, a VAE's ``recon + kl``, per-sample losses weighted by
-an input). One that is a function of a single final loss alone
-(``2 * loss``, ``exp(ce)``) reports it: it starts the backward pass only
-when the final loss itself is not returned and no total is. Of several
-totals, the one computed from all the others starts it; totals of which
-none is are an error, as PyTorch's user would have to choose one.
+``ce.detach() * tokens`` or a sum under ``torch.no_grad()``) is a total
+when it brings in more than one final loss's value: several final
+losses (``0.3 * ctc + 0.7 * ce``), or terms of the model's inputs and
+weights that do not pass through the final losses (``ce + 0.1 * l2``, a
+VAE's ``recon + kl``, per-sample losses weighted by an input). One that
+is a function of a single final loss alone (``2 * loss``, ``exp(ce)``)
+reports it: it starts the backward pass only when the final loss itself
+is not returned and no total is. Of several totals, the one computed from
+all the others starts it; totals of which none is are an error, as
+PyTorch's user would have to choose one.
 """
 from typing import List, Optional, Set
 

@@ -462,7 +462,7 @@ def link(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
             not optimizer.__dict__.get(_HOOKED):
         optimizer.register_state_dict_pre_hook(device_state_to_host)
         optimizer.register_load_state_dict_pre_hook(_remember_loaded_state)
-        optimizer.register_load_state_dict_post_hook(_host_state_to_device)
+        optimizer.register_load_state_dict_post_hook(_loaded_state_to_device)
         optimizer.register_step_pre_hook(
             lambda stepped, args, kwargs: device_state_to_host(stepped))
         optimizer.register_step_post_hook(
@@ -480,9 +480,7 @@ def pickled_state(optimizer: torch.optim.Optimizer,
     model using it has it now, in torch's format in ``state``, and the
     device's own state, which the copy brings to the training model it is
     given to (as a state dict loaded into it would)."""
-    device = _compiled_state(optimizer)
-    extras = device.store_on_optimizer(optimizer) if device is not None \
-        else _saved_state(optimizer)
+    extras = _current_extras(optimizer)
     state = dict(torch_state())
     if extras is not None:
         state[_SAVED] = extras
@@ -500,6 +498,17 @@ def _torch_optimizer_pickled_state(reference: "weakref.ref[Any]"
     return getstate
 
 
+def _current_extras(optimizer: torch.optim.Optimizer
+                    ) -> Optional[Dict[str, Any]]:
+    """The ``"poptorch"`` entry of ``optimizer``'s state now: the compiled
+    training model's (its state copied into ``optimizer.state`` first),
+    else the one kept on the optimizer, if any."""
+    device = _compiled_state(optimizer)
+    if device is not None:
+        return device.store_on_optimizer(optimizer)
+    return _saved_state(optimizer)
+
+
 def device_state_to_host(optimizer: torch.optim.Optimizer) -> None:
     """Before an optimizer's ``state_dict()`` (a torch.optim one's) or host
     ``step()``: the state of the compiled training model using it, into
@@ -511,9 +520,9 @@ def device_state_to_host(optimizer: torch.optim.Optimizer) -> None:
 
 
 def host_state_to_device(optimizer: torch.optim.Optimizer) -> None:
-    """After a host ``step()``: its state becomes the state of the compiled
-    training model using the optimizer from the next call (the host's is
-    the newer one)."""
+    """After a host ``step()`` (or a loaded state dict): the optimizer's
+    state becomes the state of the compiled training model using it from
+    the next call (the host's is the newer one)."""
     device = _compiled_state(optimizer)
     if device is not None:
         states = [optimizer.state.get(p, {}) for p in device.host_params]
@@ -528,19 +537,15 @@ def _remember_loaded_state(optimizer: torch.optim.Optimizer,
     optimizer.__dict__[_LOADING] = state_dict
 
 
-def _host_state_to_device(optimizer: torch.optim.Optimizer) -> None:
+def _loaded_state_to_device(optimizer: torch.optim.Optimizer) -> None:
     """After a torch.optim optimizer's ``load_state_dict()``: its new
     ``optimizer.state``, in the loaded dtypes, becomes the compiled training
     model's state from the next call (a model compiled later reads it when
     it compiles)."""
     _keep_loaded_dtypes(optimizer, optimizer.__dict__.pop(_LOADING))
-    device = _compiled_state(optimizer)
-    if device is None:
+    if _compiled_state(optimizer) is None:
         optimizer.__dict__[_GIVEN] = True
-        return
-    states = [optimizer.state.get(p, {}) for p in device.host_params]
-    device.replace(device.build(states, [None] * len(states),
-                                device.loaded_scale_state({})))
+    host_state_to_device(optimizer)
 
 
 def unlink(optimizer: torch.optim.Optimizer, model_link: ModelLink) -> None:
@@ -573,13 +578,9 @@ def save_state_dict(optimizer: torch.optim.Optimizer,
     """``optimizer.state_dict()``: torch's dictionary with the device state
     (when a compiled training model uses the optimizer) and the
     ``"poptorch"`` entry."""
-    device = _compiled_state(optimizer)
-    if device is not None:
-        extras = device.store_on_optimizer(optimizer)
-    else:
-        extras = dict(_saved_state(optimizer) or
-                      dict(version=FORMAT_VERSION, device_state={},
-                           loss_scale=None, good_steps=None))
+    extras = dict(_current_extras(optimizer) or
+                  dict(version=FORMAT_VERSION, device_state={},
+                       loss_scale=None, good_steps=None))
     state_dict = torch_state_dict()
     state_dict[STATE_DICT_KEY] = extras
     return state_dict

@@ -125,8 +125,7 @@ def plan_optimizer(optimizer: torch.optim.Optimizer,
     Params with ``requires_grad=False`` are left out (not updated); with
     ``requires_grad`` (each parameter's flag when a compiled step was
     traced: a change takes effect after ``destroy()``) those it says.
-    Raises
-    ``poptorch.Error`` for an unsupported optimizer class, an optimizer
+    Raises ``poptorch.Error`` for an unsupported optimizer class, an optimizer
     parameter that is not in ``params``, a negative or NaN learning rate, or
     invalid PopTorch extra attributes.
     """
